@@ -1,0 +1,88 @@
+"""The ``torch.compile`` entry point: ``torch.compile(model, backend="fxbackend")``.
+
+Dynamo's graph is normalised with aot_autograd (inference, functionalised, boxed calling
+convention) and each resulting ATen graph is lowered and compiled into a
+:class:`~fxbackend.executor.CompiledGraph`.  Graphs that need autograd (training) are not this
+backend's job: they run through aot_autograd's default path and ``stats()["fallback_graphs"]``
+counts them.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+import torch
+
+from . import stats
+from .executor import CompiledGraph
+from .lower import lower
+from .options import Options, parse_options
+from .pipeline import run_pipeline
+
+__all__ = ["fxbackend_backend", "compile_fx_graph"]
+
+_graph_ids = itertools.count()
+
+
+def _needs_autograd(example_inputs: Sequence[Any]) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
+
+
+def _is_weight(x: Any) -> bool:
+    return isinstance(x, torch.nn.Parameter) or getattr(x, "_dynamo_static_input_type", None) \
+        is not None
+
+
+def compile_fx_graph(aten_gm: torch.fx.GraphModule, options: Options,
+                     weight_mask: Sequence[bool] | None = None,
+                     input_names: Sequence[str] | None = None) -> CompiledGraph:
+    """Lower an ATen FX graph and run the pipeline; returns its :class:`CompiledGraph`."""
+    name = f"graph{next(_graph_ids)}"
+    graph = lower(aten_gm, weight_mask)
+    if input_names is not None and len(input_names) == len(graph.inputs):
+        for n, src in zip(graph.inputs, input_names):
+            n.annotations["source"] = src
+    graph = run_pipeline(graph, options, name)
+    stats.bump("graphs_compiled")
+    stats.bump("nodes_lowered", sum(1 for n in graph.nodes if not n.is_input))
+    return CompiledGraph(graph, options, name)
+
+
+def fxbackend_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None,
+                      mode: str | None = None, **kwargs: Any):
+    """Dynamo backend.  ``options``: see :class:`fxbackend.options.Options`.
+
+    ``mode`` is accepted for ``torch.compile`` compatibility and ignored.
+    """
+    if kwargs:
+        raise ValueError(f"fxbackend got unexpected arguments {sorted(kwargs)}; pass settings "
+                         f"as options={{...}}")
+    opts = parse_options(options)
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch._aot_autograd.utils import make_boxed_func
+
+    if _needs_autograd(example_inputs):
+        stats.bump("fallback_graphs")
+        from torch._dynamo.backends.debugging import boxed_nop
+        return aot_autograd(fw_compiler=boxed_nop)(gm, example_inputs)
+
+    weight_mask = [_is_weight(x) for x in example_inputs]
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+
+    def fw_compiler(aten_gm: torch.fx.GraphModule, fake_inputs: list):
+        compiled = compile_fx_graph(aten_gm, opts, weight_mask, names)
+        run = compiled.run
+
+        def boxed(args: list):
+            out = run(args)
+            args.clear()
+            return out
+
+        boxed._boxed_call = True
+        boxed.fxbackend_compiled = compiled
+        return boxed
+
+    return aot_module_simplified(gm, example_inputs, fw_compiler=fw_compiler,
+                                 keep_inference_input_mutations=True)

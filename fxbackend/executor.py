@@ -1,0 +1,571 @@
+"""Plans and their execution.
+
+A :class:`CompiledGraph` is a lowered graph plus one :class:`Plan` per input-shape signature
+(a symbolic graph re-plans for new shapes without re-lowering).  A :class:`Plan` is concrete:
+every node has a kernel, every intermediate an offset in one preallocated arena per device, and
+the steps are generated as one straight-line Python function so that a call costs little more
+than the kernel launches themselves.
+
+Per call a plan allocates only the tensors it returns (the caller keeps them) and, for ops
+without an ``.out`` overload, the temporary it copies from (a counted copy).  Inputs are never
+copied.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import sys
+from collections import Counter
+from typing import Any, Sequence
+
+import torch
+
+from . import registry, stats
+from .ir import Graph, Node, ScalarMeta, TensorMeta, storage_root
+from .lower import SYM_OPS
+from .memory import MemoryPlan, plan_memory
+from .native import call_args, out_overload
+from .options import Options
+
+__all__ = ["CompiledGraph", "Plan", "ExecContext", "concretize"]
+
+_PLAN_TIME_SCALAR_OPS = {"aten.sym_size.int", "aten.sym_stride.int", "aten.sym_numel.default",
+                         "aten.sym_storage_offset.default"}
+
+
+@dataclasses.dataclass
+class ExecContext:
+    """What an extension kernel's ``execute`` gets: the device and, on CUDA, the stream."""
+
+    device: torch.device
+    stream: Any = None
+
+
+class _Code:
+    """A Python expression in generated code."""
+
+    __slots__ = ("src",)
+
+    def __init__(self, src: str) -> None:
+        self.src = src
+
+    def __repr__(self) -> str:
+        return self.src
+
+
+def _render(v: Any) -> str:
+    if isinstance(v, _Code):
+        return v.src
+    if v is None or (isinstance(v, (bool, int, str)) and not isinstance(v, float)):
+        return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_render(x) for x in v) + "]"
+    if isinstance(v, tuple):
+        return "(" + "".join(_render(x) + ", " for x in v) + ")"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k!r}: {_render(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"cannot render {v!r}")
+
+
+def _describe_input(graph: Graph, i: int, node: Node) -> str:
+    name = node.annotations.get("source") or node.annotations.get("name") or f"arg{i}"
+    kind = "weight" if node.is_weight else "input"
+    return f"{kind} {i} ({name})"
+
+
+def concretize(graph: Graph, args: Sequence[Any]) -> tuple[dict, dict]:
+    """Concrete metadata of every node for these inputs: ``(metas, scalars)``.
+
+    ``scalars`` holds the values of scalar nodes known at plan time (sizes and integer
+    arithmetic on them).  Raises ValueError naming the first input whose count, kind, dtype,
+    device or shape does not fit the graph.
+    """
+    inputs = graph.inputs
+    if len(args) != len(inputs):
+        raise ValueError(f"expected {len(inputs)} inputs, got {len(args)}")
+    bind: dict = {}
+    for i, (node, a) in enumerate(zip(inputs, args)):
+        what = _describe_input(graph, i, node)
+        m = node.meta
+        if isinstance(m, TensorMeta):
+            if not isinstance(a, torch.Tensor):
+                raise ValueError(f"{what}: expected a tensor {m.short()}, got {type(a).__name__}")
+            if a.dtype != m.dtype:
+                raise ValueError(f"{what}: expected dtype {m.dtype}, got {a.dtype}")
+            if a.device.type != m.device.type:
+                raise ValueError(f"{what}: expected a tensor on {m.device}, got {a.device}")
+            if a.dim() != len(m.shape):
+                raise ValueError(f"{what}: expected {len(m.shape)} dims {m.short()}, "
+                                 f"got shape {tuple(a.shape)}")
+            for d, (want, got) in enumerate(zip(m.shape, a.shape)):
+                if type(want) is int:
+                    if want != got:
+                        raise ValueError(f"{what}: expected shape {m.short()}, got "
+                                         f"{tuple(a.shape)} (dim {d})")
+                elif getattr(want, "is_Symbol", False):
+                    if bind.setdefault(want, got) != got:
+                        raise ValueError(f"{what}: dim {d} is {got}, but the same symbolic size "
+                                         f"{want} is {bind[want]} elsewhere")
+        elif isinstance(m, ScalarMeta):
+            if isinstance(a, torch.Tensor) or not isinstance(a, (int, float, bool)):
+                raise ValueError(f"{what}: expected a Python {m.kind.__name__}, got "
+                                 f"{type(a).__name__}")
+            expr = node.annotations.get("expr")
+            if expr is not None and getattr(expr, "is_Symbol", False):
+                if bind.setdefault(expr, a) != a:
+                    raise ValueError(f"{what}: is {a}, but the symbolic size {expr} is "
+                                     f"{bind[expr]} elsewhere")
+    if not graph.is_symbolic:
+        return {n: n.meta for n in graph.nodes}, {}
+    return _propagate(graph, args)
+
+
+def _meta_tensor(m: TensorMeta) -> torch.Tensor:
+    return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
+
+
+def _propagate(graph: Graph, args: Sequence[Any]) -> tuple[dict, dict]:
+    """Run the graph on the meta device to get concrete shapes for these inputs."""
+    vals: dict[Node, Any] = {}
+    metas: dict[Node, Any] = {}
+    scalars: dict[Node, Any] = {}
+    it = iter(args)
+
+    def val(v):
+        if isinstance(v, Node):
+            if v not in vals:
+                raise NotImplementedError(
+                    f"%{v.id} ({v.op}) depends on tensor data; fxbackend cannot plan "
+                    f"data-dependent shapes")
+            return vals[v]
+        return v
+
+    def to_meta(x, like):
+        if isinstance(x, torch.Tensor):
+            m = TensorMeta.of(x)
+            return dataclasses.replace(m, device=like.device if isinstance(like, TensorMeta)
+                                       else m.device)
+        if isinstance(x, (list, tuple)):
+            likes = like if isinstance(like, tuple) else (None,) * len(x)
+            return tuple(to_meta(a, b) for a, b in zip(x, likes))
+        return ScalarMeta(type(x)) if isinstance(x, (int, float, bool)) else None
+
+    for n in graph.nodes:
+        if n.is_input:
+            a = next(it)
+            if isinstance(a, torch.Tensor):
+                vals[n] = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+                metas[n] = TensorMeta.of(a)
+            else:
+                vals[n] = a
+                scalars[n] = a
+                metas[n] = n.meta
+            continue
+        if n.op == "constant":
+            vals[n] = _meta_tensor(n.meta)
+            metas[n] = n.meta
+            continue
+        if n.op == "getitem":
+            parent = vals.get(n.srcs[0])
+            if parent is None:
+                raise NotImplementedError(f"%{n.id}: cannot plan after data-dependent %{n.srcs[0].id}")
+            vals[n] = parent[n.params["index"]]
+            metas[n] = metas[n.srcs[0]][n.params["index"]]
+            continue
+        if n.op in SYM_OPS:
+            v = SYM_OPS[n.op](*[val(a) for a in n.params["args"]])
+            vals[n] = scalars[n] = v
+            metas[n] = n.meta
+            continue
+        if n.is_scalar and n.op not in _PLAN_TIME_SCALAR_OPS:
+            metas[n] = n.meta  # data-dependent: known per call only
+            continue
+        a, kw = call_args(n, val, val)
+        try:
+            out = n.target(*a, **kw)
+        except Exception as e:  # a meta kernel that is missing: say which node
+            raise NotImplementedError(f"cannot re-plan %{n.id} ({n.op}) for new shapes on the "
+                                      f"meta device: {e}") from e
+        vals[n] = out
+        if n.is_scalar:
+            scalars[n] = out
+            metas[n] = n.meta
+        else:
+            metas[n] = to_meta(out, n.meta)
+    return metas, scalars
+
+
+class Plan:
+    """A graph made concrete for one input signature: kernels, arena offsets, generated steps.
+
+    Call it with the graph's inputs (``plan(*inputs)``); it validates them and returns the list
+    of outputs.  :meth:`run` skips the validation (the Dynamo path, behind Dynamo's guards).
+    """
+
+    def __init__(self, graph: Graph, options: Options, metas: dict, scalars: dict,
+                 name: str = "graph") -> None:
+        self.graph = graph
+        self.options = options
+        self.metas = metas
+        self.scalars = scalars
+        self.name = name
+        self.generation = registry.generation()
+        self.step_counts: Counter = Counter()
+        self.copies = 0
+        self.kernels = self._select_kernels()
+        self.memory: MemoryPlan = plan_memory(graph, metas=lambda n: metas[n],
+                                              skip_key=self._unread_outputs().__contains__)
+        self.arenas = {dev: torch.empty(nbytes, dtype=torch.uint8, device=dev)
+                       for dev, nbytes in self.memory.arena_bytes.items()}
+        self.workspace_bytes = 0
+        self.workspace = None
+        self._states: list = []
+        self._build()
+        self._stats_key = stats.register_plan_counts({"steps": self.step_counts,
+                                                      "copies": self.copies})
+        stats.bump("plans_built")
+        stats.bump("arena_bytes", self.memory.total_arena)
+        stats.bump("intermediate_bytes", self.memory.sum_intermediates)
+        stats.bump("workspace_bytes", self.workspace_bytes)
+        if options.dump:
+            print(f"[fxbackend] {name}: {self.memory.summary()}, "
+                  f"workspace {self.workspace_bytes / 2**20:.2f} MB", file=sys.stderr)
+
+    # -- building -------------------------------------------------------------------------
+    def _compute_nodes(self):
+        for n in self.graph.nodes:
+            if n.is_input or n.op in ("constant", "getitem") or n.op in SYM_OPS:
+                continue
+            if n.is_scalar and n in self.scalars:
+                continue
+            yield n
+
+    def _select_kernels(self) -> dict:
+        kernels = {}
+        for n in self._compute_nodes():
+            if self.options.force_native or n.view_of is not None or n.inplace_of is not None:
+                kernels[n] = registry.NATIVE  # views and in-place writes are never intercepted
+            else:
+                kernels[n] = registry.select_kernel(self._device_of(n).type, n)
+        return kernels
+
+    def _unread_outputs(self) -> set:
+        """Outputs of multi-output native ops without an ``.out`` overload that nobody reads:
+        they are computed anyway, but need no storage and no copy."""
+        read: dict[Node, set] = {}
+        for n in self.graph.nodes:
+            if n.op == "getitem":
+                read.setdefault(n.srcs[0], set()).add(n.params["index"])
+        keys = set()
+        for n, k in self.kernels.items():
+            if k is registry.NATIVE and isinstance(self.metas[n], tuple) and n.view_of is None \
+                    and not (isinstance(n.target, torch._ops.OpOverload) and out_overload(n.target)):
+                keys.update((n.id, i) for i in range(len(self.metas[n]))
+                            if i not in read.get(n, ()))
+        return keys
+
+    def _buffer(self, key: tuple) -> torch.Tensor:
+        owner = self._by_id[key[0]]
+        m = self.metas[owner]
+        if key[1] is not None:
+            m = m[key[1]]
+        off = self.memory.offsets[key]
+        arena = self.arenas[str(m.device)]
+        typed = arena[off: off + m.span_bytes + m.storage_offset * m.itemsize].view(m.dtype)
+        return typed.as_strided(m.shape, m.stride, typed.storage_offset() + m.storage_offset)
+
+    def _build(self) -> None:
+        g = self.graph
+        self._by_id = {n.id: n for n in g.nodes}
+        ns: dict[str, Any] = {"empty_strided": torch.empty_strided}
+        consts: dict[int, str] = {}
+        counter = itertools.count()
+
+        def const(v: Any) -> _Code:
+            if isinstance(v, (bool, int, float, str, type(None))) and not isinstance(v, float):
+                return _Code(repr(v))
+            k = id(v)
+            if k not in consts:
+                consts[k] = name = f"c{next(counter)}"
+                ns[name] = v
+                ns.setdefault("_keep", []).append(v)
+            return _Code(consts[k])
+
+        expr: dict[Node, Any] = {}  # node -> _Code (or tuple of _Code for multi outputs)
+        plan_time: dict[Node, Any] = {}  # node -> value known at plan time
+        lines: list[str] = []
+        per_call = set(self.memory.per_call)
+        inputs = g.inputs
+        for i, n in enumerate(inputs):
+            if n in self.scalars:
+                expr[n] = const(self.scalars[n])
+                plan_time[n] = self.scalars[n]
+            else:
+                expr[n] = _Code(f"a{i}")
+        if inputs:
+            lines.append(", ".join(f"a{i}" for i in range(len(inputs))) +
+                         (", = args" if len(inputs) == 1 else " = args"))
+
+        def value_of(v: Any) -> Any:
+            if isinstance(v, Node):
+                if v in plan_time:
+                    return const(plan_time[v])
+                return expr[v]
+            return const(v)
+
+        def src_of(v: Node) -> Any:
+            return plan_time_code(v) if v in plan_time else expr[v]
+
+        def plan_time_code(v: Node) -> _Code:
+            return const(plan_time[v])
+
+        def storage(n: Node, index: int | None) -> tuple[Any, Any]:
+            """(code, plan-time tensor or None) of an owner buffer."""
+            key = (n.id, index)
+            if key in per_call:
+                m = self.metas[n] if index is None else self.metas[n][index]
+                name = f"v{n.id}" if index is None else f"v{n.id}_{index}"
+                lines.append(f"{name} = empty_strided({tuple(m.shape)!r}, {tuple(m.stride)!r}, "
+                             f"dtype={const(m.dtype).src}, device={const(m.device).src})")
+                return _Code(name), None
+            if key in self.memory.offsets:
+                t = self._buffer(key)
+                return const(t), t
+            return None, None  # an output nobody reads and nobody returns
+
+        for n in g.nodes:
+            if n.is_input:
+                continue
+            if n.op == "constant":
+                plan_time[n] = n.annotations["value"]
+                expr[n] = const(plan_time[n])
+                continue
+            if n.op in SYM_OPS or (n.is_scalar and n in self.scalars):
+                plan_time[n] = self.scalars[n]
+                expr[n] = const(plan_time[n])
+                continue
+            if n.op == "getitem":
+                parent = n.srcs[0]
+                idx = n.params["index"]
+                if parent in plan_time:
+                    plan_time[n] = plan_time[parent][idx]
+                    expr[n] = const(plan_time[n])
+                elif isinstance(expr[parent], tuple):
+                    expr[n] = expr[parent][idx]
+                else:
+                    lines.append(f"v{n.id} = {expr[parent].src}[{idx}]")
+                    expr[n] = _Code(f"v{n.id}")
+                continue
+            kernel = self.kernels[n]
+            if n.view_of is not None:
+                a, kw = call_args(n, src_of, value_of)
+                deps_plan_time = all(s in plan_time for s in n.srcs)
+                if deps_plan_time and kernel is registry.NATIVE:
+                    # a view of planned storage never changes: take it once, here
+                    a2, kw2 = call_args(n, lambda s: plan_time[s],
+                                        lambda v: plan_time[v] if isinstance(v, Node) else v)
+                    plan_time[n] = n.target(*a2, **kw2)
+                    expr[n] = const(plan_time[n])
+                    continue
+                fn = const(n.target._op if hasattr(n.target, "_op") else n.target)
+                lines.append(f"v{n.id} = {fn.src}({self._args_src(a, kw)})")
+                expr[n] = _Code(f"v{n.id}")
+                self.step_counts[kernel.name] += 1
+                continue
+            if n.inplace_of is not None:
+                a, kw = call_args(n, src_of, value_of)
+                fn = const(n.target._op if hasattr(n.target, "_op") else n.target)
+                lines.append(f"{fn.src}({self._args_src(a, kw)})")
+                expr[n] = expr[n.inplace_of] if n.inplace_of not in plan_time \
+                    else const(plan_time[n.inplace_of])
+                self.step_counts[kernel.name] += 1
+                continue
+            if n.is_scalar or n.meta is None:
+                a, kw = call_args(n, src_of, value_of)
+                fn = const(n.target._op if hasattr(n.target, "_op") else n.target)
+                lines.append(f"v{n.id} = {fn.src}({self._args_src(a, kw)})")
+                expr[n] = _Code(f"v{n.id}")
+                self.step_counts[kernel.name] += 1
+                continue
+            # a compute node that owns fresh storage
+            multi = isinstance(self.metas[n], tuple)
+            if multi:
+                outs = [storage(n, i) if isinstance(m, TensorMeta) else (None, None)
+                        for i, m in enumerate(self.metas[n])]
+            else:
+                outs = [storage(n, None)]
+            codes = [c for c, _ in outs]
+            if all(t is not None for _, t in outs):
+                plan_time[n] = tuple(t for _, t in outs) if multi else outs[0][1]
+            expr[n] = tuple(codes) if multi else codes[0]
+            a, kw = call_args(n, src_of, value_of)
+            self.step_counts[kernel.name] += 1
+            if kernel is not registry.NATIVE:
+                lines.append(self._extension_call(n, kernel, [src_of(s) for s in n.srcs],
+                                                  codes, const))
+                continue
+            ov = out_overload(n.target) if isinstance(n.target, torch._ops.OpOverload) else None
+            if n.op == "aten._to_copy.default" and codes[0] is not None:
+                # a conversion into planned storage is exactly copy_ (dtype, device, layout)
+                lines.append(f"{codes[0].src}.copy_({_render(a[0])})")
+            elif ov is not None and all(c is not None for c in codes):
+                fn = const(ov[0]._op)
+                outkw = ", ".join(f"{name}={c.src}" for name, c in zip(ov[1], codes))
+                args_src = self._args_src(a, kw)
+                lines.append(f"{fn.src}({args_src}{', ' if args_src else ''}{outkw})")
+            else:
+                fn = const(n.target._op if hasattr(n.target, "_op") else n.target)
+                call = f"{fn.src}({self._args_src(a, kw)})"
+                if multi:
+                    lines.append(f"_r = {call}")
+                    for i, c in enumerate(codes):
+                        if c is not None:
+                            lines.append(f"{c.src}.copy_(_r[{i}])")
+                            self.copies += 1
+                elif codes[0] is not None:
+                    lines.append(f"{codes[0].src}.copy_({call})")
+                    self.copies += 1
+                else:
+                    lines.append(call)
+        outs = []
+        for o in g.outputs:
+            if isinstance(o, Node):
+                outs.append(const(plan_time[o]).src if o in plan_time else _render(expr[o]))
+            else:
+                outs.append(const(o).src)
+        lines.append("return [" + ", ".join(outs) + "]")
+        ns["_ws"] = None
+        if self.workspace_bytes:
+            dev = next(iter(self.arenas), "cpu")
+            ns["_ws"] = self.workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8,
+                                                     device=dev)
+        self.source = "def run(args):\n" + "\n".join("    " + ln for ln in lines) + "\n"
+        code = compile(self.source, f"<fxbackend plan {self.name}>", "exec")
+        exec(code, ns)
+        self._run = ns["run"]
+        self._ns = ns
+
+    def _device_of(self, n: Node) -> torch.device:
+        m = self.metas.get(n)
+        if isinstance(m, tuple):
+            m = next((x for x in m if isinstance(x, TensorMeta)), None)
+        if isinstance(m, TensorMeta):
+            return m.device
+        for s in n.srcs:
+            sm = self.metas.get(s)
+            if isinstance(sm, TensorMeta):
+                return sm.device
+        return torch.device("cpu")
+
+    @staticmethod
+    def _args_src(a: list, kw: dict) -> str:
+        parts = [_render(x) if not isinstance(x, _Code) else x.src for x in a]
+        parts += [f"{k}={_render(v)}" for k, v in kw.items()]
+        return ", ".join(parts)
+
+    def _extension_call(self, n: Node, kernel: Any, srcs: list, codes: list, const) -> str:
+        prepare = getattr(kernel, "prepare", None)
+        state, ws = prepare(n) if prepare is not None else (None, 0)
+        self._states.append((kernel, state))
+        self.workspace_bytes = max(self.workspace_bytes, int(ws))
+        ctx = ExecContext(self._device_of(n))
+        srcs = "[" + ", ".join(_render(c) for c in srcs) + "]"
+        out = codes[0].src if len(codes) == 1 else "(" + ", ".join(c.src for c in codes) + ",)"
+        return (f"{const(kernel.execute).src}({const(ctx).src}, {const(n).src}, "
+                f"{const(state).src}, {srcs}, {out}, _ws)")
+
+    # -- running --------------------------------------------------------------------------
+    def run(self, args: list) -> list:
+        """Execute without validating inputs; returns the list of outputs."""
+        stats.record_plan_call(self._stats_key)
+        return self._run(args)
+
+    def __call__(self, *args: Any) -> list:
+        """Validate ``args`` against this plan's signature, then execute."""
+        inputs = self.graph.inputs
+        if len(args) != len(inputs):
+            raise ValueError(f"plan {self.name} expects {len(inputs)} inputs, got {len(args)}")
+        for i, (n, a) in enumerate(zip(inputs, args)):
+            m = self.metas[n]
+            what = _describe_input(self.graph, i, n)
+            if isinstance(m, TensorMeta):
+                if not isinstance(a, torch.Tensor):
+                    raise ValueError(f"{what}: expected a tensor {m.short()}, got "
+                                     f"{type(a).__name__}")
+                if a.dtype != m.dtype:
+                    raise ValueError(f"{what}: expected dtype {m.dtype}, got {a.dtype}")
+                if tuple(a.shape) != tuple(m.shape):
+                    raise ValueError(f"{what}: expected shape {tuple(m.shape)}, got "
+                                     f"{tuple(a.shape)}")
+                if a.device.type != m.device.type:
+                    raise ValueError(f"{what}: expected device {m.device}, got {a.device}")
+            elif n in self.scalars and a != self.scalars[n]:
+                raise ValueError(f"{what}: this plan was built for {self.scalars[n]}, got {a}")
+        return self.run(list(args))
+
+    def __del__(self) -> None:
+        for kernel, state in getattr(self, "_states", ()):
+            destroy = getattr(kernel, "destroy", None)
+            if destroy is not None:
+                try:
+                    destroy(state)
+                except Exception:  # never raise from a finaliser
+                    pass
+
+
+class CompiledGraph:
+    """A lowered graph and its plans, one per input-shape signature.
+
+    Calling it (``cg(*inputs)``) validates the inputs, builds or reuses the plan for their
+    signature and runs it.  Plans built under an older registry generation are rebuilt.
+    """
+
+    def __init__(self, graph: Graph, options: Options, name: str = "graph") -> None:
+        self.graph = graph
+        self.options = options
+        self.name = name
+        self.symbolic = graph.is_symbolic
+        self.plans: dict[Any, Plan] = {}
+        self._static: Plan | None = None
+        inputs = graph.inputs
+        # the inputs whose shapes (or values) vary between signatures
+        self._varying = [i for i, n in enumerate(inputs)
+                         if n.is_scalar or (isinstance(n.meta, TensorMeta) and n.meta.is_symbolic)]
+
+    def _key(self, args: Sequence[Any]) -> tuple:
+        key = []
+        for i in self._varying:
+            a = args[i]
+            key.append((tuple(a.shape), a.stride(), a.dtype, a.device)
+                       if isinstance(a, torch.Tensor) else a)
+        return tuple(key)
+
+    def plan_for(self, args: Sequence[Any]) -> Plan:
+        """The plan for these inputs (validated), building it when needed."""
+        if not self.symbolic:
+            plan = self._static
+            if plan is None or plan.generation != registry.generation():
+                metas, scalars = concretize(self.graph, args)
+                plan = self._static = Plan(self.graph, self.options, metas, scalars, self.name)
+            return plan
+        key = self._key(args)
+        plan = self.plans.get(key)
+        if plan is None or plan.generation != registry.generation():
+            metas, scalars = concretize(self.graph, args)
+            if self.plans:
+                stats.bump("replans")
+            plan = self.plans[key] = Plan(self.graph, self.options, metas, scalars,
+                                          f"{self.name}[{len(self.plans)}]")
+        return plan
+
+    def run(self, args: list) -> list:
+        """The fast path (behind Dynamo's guards): validate only when a plan is built."""
+        if not self.symbolic:
+            plan = self._static
+            if plan is None or plan.generation != registry.generation():
+                plan = self.plan_for(args)
+            return plan.run(args)
+        return self.plan_for(args).run(args)
+
+    def __call__(self, *args: Any) -> list:
+        return self.plan_for(args)(*args)

@@ -1,0 +1,85 @@
+"""How the native (ATen) kernel calls an op: ``.out`` overload discovery and call building."""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+
+from .ir import Node
+from .lower import is_tensor_type
+
+__all__ = ["out_overload", "call_args"]
+
+
+@functools.lru_cache(maxsize=None)
+def out_overload(op: torch._ops.OpOverload) -> tuple[Any, tuple[str, ...]] | None:
+    """The ``.out`` overload of a functional ATen op and its out-argument names, or None.
+
+    An out overload takes the functional op's arguments (same names and types) plus one
+    kwarg-only written tensor per return value.
+    """
+    schema = op._schema
+    if schema.is_mutable or not schema.returns:
+        return None
+    if not all(str(r.type) == "Tensor" for r in schema.returns):
+        return None
+    want = [(a.name, str(a.type)) for a in schema.arguments]
+    packet = op.overloadpacket
+    for name in packet.overloads():
+        cand = getattr(packet, name)
+        cs = cand._schema
+        outs = [a for a in cs.arguments if a.alias_info is not None and a.alias_info.is_write]
+        if len(outs) != len(schema.returns) or not all(a.kwarg_only for a in outs):
+            continue
+        rest = [(a.name, str(a.type)) for a in cs.arguments if a not in outs]
+        if rest == want:
+            return cand, tuple(a.name for a in outs)
+    return None
+
+
+def call_args(node: Node, src: Callable[[Node], Any],
+              value: Callable[[Any], Any]) -> tuple[list, dict]:
+    """``(args, kwargs)`` that call ``node.target`` for ``node``.
+
+    ``src(n)`` maps a tensor input to what the call gets; ``value(v)`` maps each param leaf
+    (a plain value or a scalar node).
+    """
+    if node.op.startswith("py."):
+        def tree(v):
+            if isinstance(v, Node):
+                return value(v) if v.is_scalar else src(v)
+            if isinstance(v, (list, tuple)):
+                return type(v)(tree(x) for x in v)
+            if isinstance(v, dict):
+                return {k: tree(x) for k, x in v.items()}
+            return value(v)
+        return list(tree(node.params["args"])), dict(tree(node.params["kwargs"]))
+    args: list = []
+    kwargs: dict = {}
+    srcs = iter(node.srcs)
+    layout = dict(node.tensor_layout)
+    kw = False
+    for arg in node.target._schema.arguments:
+        if arg.name in layout:
+            spec = layout[arg.name]
+            if isinstance(spec, tuple):
+                v = [src(next(srcs)) if present else None for present in spec]
+            else:
+                v = src(next(srcs)) if spec else None
+        elif arg.name in node.params:
+            v = _map_leaves(node.params[arg.name], value)
+        else:
+            kw = True
+            continue
+        if kw or arg.kwarg_only:
+            kwargs[arg.name] = v
+        else:
+            args.append(v)
+    return args, kwargs
+
+
+def _map_leaves(v: Any, f: Callable[[Any], Any]) -> Any:
+    if isinstance(v, (list, tuple)):
+        return type(v)(_map_leaves(x, f) for x in v)
+    return f(v)

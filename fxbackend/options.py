@@ -1,0 +1,70 @@
+"""Backend options: ``torch.compile(m, backend="fxbackend", options={...})``.
+
+Environment switches (read when a plan is built) override the defaults, and explicit options
+override both.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping
+
+__all__ = ["Options", "parse_options"]
+
+
+def _env_flag(name: str) -> bool | None:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return None
+    return v.strip().lower() not in ("0", "false", "no", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What a plan is built with.
+
+    - ``fusion``: run fusion rules (default True; ``FXB_DISABLE_FUSION=1`` turns it off).
+    - ``force_native``: run every node with its native ATen kernel (``FXB_FORCE_NATIVE=1``).
+    - ``dump``: print the node list after each pass and the memory summary (``FXB_DUMP=1``).
+    - ``streams``: overlap independent branches on an auxiliary CUDA stream (``FXB_STREAMS``);
+      None: decide per plan.
+    - ``cuda_graphs``: capture each CUDA plan into one CUDA graph (``FXB_CUDA_GRAPHS=1``).
+    - ``validate_inputs``: check shapes and dtypes of every call, also behind Dynamo's guards.
+    """
+
+    fusion: bool = True
+    force_native: bool = False
+    dump: bool = False
+    streams: bool | None = None
+    cuda_graphs: bool = False
+    validate_inputs: bool = False
+
+
+def parse_options(options: Mapping[str, Any] | None = None) -> Options:
+    """Options from the environment, then ``options``; an unknown key is a ValueError."""
+    fields = {f.name: f for f in dataclasses.fields(Options)}
+    values: dict[str, Any] = {}
+    env = {
+        "fusion": (lambda: None if _env_flag("FXB_DISABLE_FUSION") is None
+                   else not _env_flag("FXB_DISABLE_FUSION")),
+        "force_native": lambda: _env_flag("FXB_FORCE_NATIVE"),
+        "dump": lambda: _env_flag("FXB_DUMP"),
+        "streams": lambda: _env_flag("FXB_STREAMS"),
+        "cuda_graphs": lambda: _env_flag("FXB_CUDA_GRAPHS"),
+    }
+    for name, read in env.items():
+        v = read()
+        if v is not None:
+            values[name] = v
+    for key, v in dict(options or {}).items():
+        if key not in fields:
+            raise ValueError(f"unknown fxbackend option {key!r}; valid options are: "
+                             f"{', '.join(sorted(fields))}")
+        if key == "streams":
+            if v is not None and not isinstance(v, bool):
+                raise ValueError(f"fxbackend option 'streams' must be True, False or None, "
+                                 f"got {v!r}")
+        elif not isinstance(v, bool):
+            raise ValueError(f"fxbackend option {key!r} must be a bool, got {v!r}")
+        values[key] = v
+    return Options(**values)

@@ -1,0 +1,106 @@
+"""Kernel registry: which kernel runs each node, per device type.
+
+Every op has the native kernel (the ATen implementation, :class:`NativeKernel`) as its
+lowest-priority entry.  Extension kernels are registered per device type ("cpu", "cuda", or a
+test-only name) and op name; :func:`select_kernel` picks, in priority order (higher first), the
+first extension kernel that ``supports`` the node and is ``preferred`` for it, else the native
+kernel, else any supporting extension (when the native kernel cannot run the node, a supporting
+extension runs it whatever its preference says).
+
+A kernel is an object with:
+- ``name`` (str), ``op`` (the op name it implements), ``priority`` (int, default 0);
+- ``supports(node) -> bool``: computes the node correctly; reads metadata only, never raises;
+- ``preferred(node) -> bool`` (optional; None/absent: always preferred over native);
+- ``prepare(node) -> (state, workspace_bytes)`` (optional; plan time, metadata only);
+- ``execute(ctx, node, state, inputs, out, workspace)`` writes the result into ``out``;
+- ``destroy(state)`` (optional), when the plan is dropped.
+"""
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from typing import Any
+
+from .ir import Node
+
+__all__ = ["register_kernel", "unregister_kernel", "select_kernel", "kernels_for",
+           "NativeKernel", "NATIVE", "generation"]
+
+_lock = threading.RLock()
+_kernels: dict[str, dict[str, list[Any]]] = defaultdict(lambda: defaultdict(list))
+_generation = 0
+
+
+def generation() -> int:
+    """A counter bumped by every registration change; plans built under an older one rebuild."""
+    return _generation
+
+
+def _bump() -> None:
+    global _generation
+    _generation += 1
+
+
+def register_kernel(device: str, kernel: Any) -> Any:
+    """Register ``kernel`` for its ``kernel.op`` on device type ``device``; returns the kernel."""
+    for attr in ("name", "op", "supports", "execute"):
+        if not hasattr(kernel, attr):
+            raise TypeError(f"kernel {kernel!r} has no {attr!r}; a kernel needs name, op, "
+                            f"supports(node) and execute(ctx, node, state, inputs, out, workspace)")
+    with _lock:
+        entries = _kernels[device][kernel.op]
+        if any(k.name == kernel.name for k in entries):
+            raise ValueError(f"a kernel named {kernel.name!r} is already registered for "
+                             f"{kernel.op} on {device!r}")
+        entries.append(kernel)
+        entries.sort(key=lambda k: -getattr(k, "priority", 0))
+        _bump()
+    return kernel
+
+
+def unregister_kernel(device: str, kernel: Any) -> None:
+    """Remove a kernel registered with :func:`register_kernel` (tests, plugin unloading)."""
+    with _lock:
+        _kernels[device][kernel.op].remove(kernel)
+        _bump()
+
+
+def kernels_for(device: str, op: str) -> list[Any]:
+    """Extension kernels for ``op`` on ``device``, highest priority first."""
+    return list(_kernels.get(device, {}).get(op, ()))
+
+
+def select_kernel(device: str, node: Node) -> Any:
+    """The kernel that runs ``node`` on device type ``device`` (see the module docstring)."""
+    candidates = [k for k in kernels_for(device, node.op) if k.supports(node)]
+    for k in candidates:
+        pref = getattr(k, "preferred", None)
+        if pref is None or pref(node):
+            return k
+    if NATIVE.supports(node):
+        return NATIVE
+    if candidates:
+        return candidates[0]
+    raise NotImplementedError(f"no kernel on {device!r} can run {node.op} (node %{node.id})")
+
+
+class NativeKernel:
+    """The ATen implementation of any op with a callable target.
+
+    It writes into the node's preassigned storage through the op's ``.out`` overload when one
+    exists; otherwise it computes a fresh result and copies it in (a counted copy).  The executor
+    binds it directly into generated code, so it has no generic ``execute`` hot path.
+    """
+
+    name = "native"
+    op = "*"
+    priority = -(10 ** 9)
+
+    def supports(self, node: Node) -> bool:
+        return node.target is not None
+
+    def execute(self, ctx, node, state, inputs, out, workspace):  # pragma: no cover - bound in codegen
+        raise RuntimeError("the native kernel is bound by the executor, not called generically")
+
+
+NATIVE = NativeKernel()

@@ -1,0 +1,1 @@
+"""fxbackend.patterns: filled in by the pattern and kernel issues."""
