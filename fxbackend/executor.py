@@ -120,6 +120,15 @@ def concretize(graph: Graph, args: Sequence[Any]) -> tuple[dict, dict]:
     return _propagate(graph, args)
 
 
+_META = torch.device("meta")
+
+
+def _map_tree(v: Any, f) -> Any:
+    if isinstance(v, (list, tuple)):
+        return type(v)(_map_tree(x, f) for x in v)
+    return f(v)
+
+
 def _meta_tensor(m: TensorMeta) -> torch.Tensor:
     return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
 
@@ -138,6 +147,8 @@ def _propagate(graph: Graph, args: Sequence[Any]) -> tuple[dict, dict]:
                     f"%{v.id} ({v.op}) depends on tensor data; fxbackend cannot plan "
                     f"data-dependent shapes")
             return vals[v]
+        if isinstance(v, torch.device):  # factories (arange, full, ...) build on meta too
+            return _META
         return v
 
     def to_meta(x, like):
@@ -173,7 +184,7 @@ def _propagate(graph: Graph, args: Sequence[Any]) -> tuple[dict, dict]:
             metas[n] = metas[n.srcs[0]][n.params["index"]]
             continue
         if n.op in SYM_OPS:
-            v = SYM_OPS[n.op](*[val(a) for a in n.params["args"]])
+            v = SYM_OPS[n.op](*[_map_tree(a, val) for a in n.params["args"]])
             vals[n] = scalars[n] = v
             metas[n] = n.meta
             continue

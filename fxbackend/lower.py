@@ -28,7 +28,7 @@ SYM_OPS: dict[str, Any] = {
     "sym.ge": operator.ge, "sym.and": operator.and_, "sym.or": operator.or_,
     "sym.ceil": math.ceil, "sym.floor": math.floor, "sym.sym_max": torch.sym_max,
     "sym.sym_min": torch.sym_min, "sym.sym_not": torch.sym_not, "sym.sym_float": torch.sym_float,
-    "sym.sym_int": torch.sym_int, "sym.sym_sqrt": getattr(torch, "_sym_sqrt", math.sqrt),
+    "sym.sym_int": torch.sym_int, "sym.sym_sum": torch.sym_sum, "sym.sym_ite": torch.sym_ite, "sym.sym_sqrt": getattr(torch, "_sym_sqrt", math.sqrt),
 }
 _SYM_BY_TARGET = {v: k for k, v in SYM_OPS.items()}
 

@@ -4,8 +4,10 @@ Every entry of ``MODEL_CONFIGS`` is keyed by ``(family, size)`` and is plain dat
 
 * ``cls``: name of the diffusers model class,
 * ``config``: constructor kwargs (real architecture, scaled down, random weights),
-* ``inputs``: input description (``batch``, latent ``resolutions`` as ``(h, w)`` with the
-  default first, ``text_len`` and family-specific extras).
+* ``inputs``: input description (``batch``, latent ``resolutions`` as ``(h, w)``, ``text_len``
+  and family-specific extras). ``resolutions`` is ``[default square, other square, non-square]``:
+  the first two differ only in size (a dynamic-shape compile should not need to recompile), the
+  third catches height/width mix-ups (duck sizing guards ``h == w``, so it may recompile).
 
 Families: ``flux`` (double- + single-stream MMDiT with 3-axis RoPE), ``sd3`` (joint-attention
 MMDiT, SD3.5-style QK RMSNorm), ``pixart`` (DiT with adaLN-single and cross-attention) and
@@ -28,7 +30,7 @@ MODEL_CONFIGS = {
         "config": dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
                        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
                        pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6)),
-        "inputs": dict(batch=1, resolutions=[(16, 16), (16, 24)], text_len=8, guidance=4.0),
+        "inputs": dict(batch=1, resolutions=[(16, 16), (24, 24), (16, 24)], text_len=7, guidance=4.0),
     },
     # FLUX.1-schnell style (no guidance embedding), wider and more tokens.
     ("flux", "small"): {
@@ -36,7 +38,7 @@ MODEL_CONFIGS = {
         "config": dict(patch_size=1, in_channels=64, num_layers=2, num_single_layers=2,
                        attention_head_dim=64, num_attention_heads=6, joint_attention_dim=256,
                        pooled_projection_dim=128, guidance_embeds=False, axes_dims_rope=(8, 28, 28)),
-        "inputs": dict(batch=1, resolutions=[(64, 64), (48, 80)], text_len=64),
+        "inputs": dict(batch=1, resolutions=[(64, 64), (48, 48), (48, 80)], text_len=77),
     },
     # SD3.5 layout: QK RMSNorm, dual attention in the first block, last block context_pre_only.
     ("sd3", "tiny"): {
@@ -45,7 +47,7 @@ MODEL_CONFIGS = {
                        attention_head_dim=8, num_attention_heads=4, joint_attention_dim=32,
                        caption_projection_dim=32, pooled_projection_dim=64, out_channels=4,
                        pos_embed_max_size=32, dual_attention_layers=(0,), qk_norm="rms_norm"),
-        "inputs": dict(batch=1, resolutions=[(16, 16), (16, 24)], text_len=8),
+        "inputs": dict(batch=1, resolutions=[(16, 16), (24, 24), (16, 24)], text_len=7),
     },
     ("sd3", "small"): {
         "cls": "SD3Transformer2DModel",
@@ -53,7 +55,7 @@ MODEL_CONFIGS = {
                        attention_head_dim=64, num_attention_heads=8, joint_attention_dim=256,
                        caption_projection_dim=512, pooled_projection_dim=128, out_channels=16,
                        pos_embed_max_size=96, dual_attention_layers=(), qk_norm="rms_norm"),
-        "inputs": dict(batch=1, resolutions=[(64, 64), (48, 80)], text_len=64),
+        "inputs": dict(batch=1, resolutions=[(64, 64), (48, 48), (48, 80)], text_len=77),
     },
     # PixArt-Sigma layout: adaLN-single, caption projection, learned sigma (out = 2 * in).
     ("pixart", "tiny"): {
@@ -62,7 +64,7 @@ MODEL_CONFIGS = {
                        num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16,
                        caption_channels=32, norm_type="ada_norm_single",
                        num_embeds_ada_norm=1000, use_additional_conditions=False),
-        "inputs": dict(batch=1, resolutions=[(8, 8), (8, 12)], text_len=8),
+        "inputs": dict(batch=1, resolutions=[(8, 8), (12, 12), (8, 12)], text_len=7),
     },
     ("pixart", "small"): {
         "cls": "PixArtTransformer2DModel",
@@ -70,7 +72,7 @@ MODEL_CONFIGS = {
                        num_attention_heads=8, attention_head_dim=64, cross_attention_dim=512,
                        caption_channels=512, norm_type="ada_norm_single",
                        num_embeds_ada_norm=1000, use_additional_conditions=False),
-        "inputs": dict(batch=1, resolutions=[(64, 64), (48, 80)], text_len=64),
+        "inputs": dict(batch=1, resolutions=[(64, 64), (48, 48), (48, 80)], text_len=77),
     },
     # SD1.x layout (cross-attn down blocks, plain lowest-res block, mirrored up path), fewer levels.
     ("unet", "tiny"): {
@@ -81,7 +83,7 @@ MODEL_CONFIGS = {
                        mid_block_type="UNetMidBlock2DCrossAttn",
                        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
                        cross_attention_dim=32, attention_head_dim=2, norm_num_groups=8),
-        "inputs": dict(batch=1, resolutions=[(16, 16), (16, 24)], text_len=8),
+        "inputs": dict(batch=1, resolutions=[(16, 16), (24, 24), (16, 24)], text_len=7),
     },
     ("unet", "small"): {
         "cls": "UNet2DConditionModel",
@@ -91,7 +93,7 @@ MODEL_CONFIGS = {
                        mid_block_type="UNetMidBlock2DCrossAttn",
                        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
                        cross_attention_dim=256, attention_head_dim=4, norm_num_groups=32),
-        "inputs": dict(batch=1, resolutions=[(40, 40), (32, 48)], text_len=64),
+        "inputs": dict(batch=1, resolutions=[(40, 40), (32, 32), (32, 48)], text_len=77),
     },
 }
 
@@ -178,7 +180,7 @@ def make_inputs(family, size, resolution=None, batch=None, dtype=torch.float32, 
                   encoder_hidden_states=randn(b, n_txt, cfg["joint_attention_dim"]),
                   pooled_projections=randn(b, cfg["pooled_projection_dim"]),
                   timestep=full(0.5),  # the pipeline passes t / 1000
-                  img_ids=ids.reshape(-1, 3).to(device=device, dtype=dtype),
+                  img_ids=ids.reshape(-1, 3).to(device=device, dtype=dtype).clone(),  # not a view
                   txt_ids=torch.zeros(n_txt, 3, device=device, dtype=dtype))
         if cfg.get("guidance_embeds"):
             kw["guidance"] = full(spec.get("guidance", 4.0))  # 4000 is exact in bf16

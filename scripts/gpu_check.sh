@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The one prepared GPU check: on a machine with a CUDA GPU, run the tests marked `cuda` and the
+# GPU benchmarks, writing logs under $OUT (or ./gpu_logs).  Finishes in under 8 minutes.
+#
+# That machine has its own torch, triton, numba, safetensors, pytest and hypothesis but no
+# network: this script uses its Python as is, installs the project with --no-deps, and installs
+# the wheels carried in .whl/ (diffusers, expecttest, importlib_metadata) for what is missing.
+# Prepare them on a machine with a package index:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp --platform manylinux2014_x86_64 -d .whl \
+#       diffusers==0.42.1 expecttest==0.3.0 importlib_metadata
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LOG=${OUT:-gpu_logs}
+mkdir -p "$LOG"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+status=0
+step() {  # step NAME TIMEOUT CMD...: run one step, log it, remember a failure
+    local name=$1 limit=$2; shift 2
+    echo "== $name ($(date +%T))" | tee -a "$LOG/summary.txt"
+    timeout "$limit" "$@" >"$LOG/$name.log" 2>&1
+    local rc=$?
+    tail -n 25 "$LOG/$name.log"
+    echo "== $name: exit $rc" | tee -a "$LOG/summary.txt"
+    [ $rc -eq 0 ] || status=1
+}
+
+{ nvidia-smi; $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"; } \
+    >"$LOG/env.txt" 2>&1
+cat "$LOG/env.txt" | tail -n 3
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/fxb_site .whl/*.whl && export PYTHONPATH=/tmp/fxb_site${PYTHONPATH:+:$PYTHONPATH}
+fi
+$PY -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$LOG/install.log" 2>&1 \
+    || { echo "install failed"; cat "$LOG/install.log"; exit 1; }
+
+step cuda_tests 240 $PY -m pytest -q -m cuda -p no:cacheprovider tests
+step bench_cuda 150 $PY scripts/bench.py --device cuda --sizes tiny,small \
+    --backends eager,aot_eager,fxbackend --repeat 20 --json "$LOG/bench_cuda.json"
+step bench_cuda_inductor 120 $PY scripts/bench.py --device cuda --sizes small --families flux \
+    --backends eager,inductor,fxbackend --repeat 20 --json "$LOG/bench_cuda_inductor.json"
+step overhead_cuda 60 $PY scripts/bench_overhead.py --device cuda --json "$LOG/overhead_cuda.json"
+echo "gpu_check: $([ $status -eq 0 ] && echo all steps passed || echo some step failed)" | tee -a "$LOG/summary.txt"
+exit $status

@@ -1,0 +1,127 @@
+"""Shared test helpers: a capture backend that keeps fxbackend's CompiledGraph objects.
+
+``capture(fn, *args)`` compiles ``fn`` with Dynamo + aot_autograd into fxbackend (the same path
+as ``backend="fxbackend"``, see fxbackend/dynamo.py), runs it once, checks the result against
+eager, and returns a :class:`Captured` holding every CompiledGraph built and its node list text.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import fxbackend
+from fxbackend.dynamo import compile_fx_graph
+from fxbackend.options import parse_options
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Every test starts with no cached Dynamo frames and zeroed fxbackend counters."""
+    torch._dynamo.reset()
+    fxbackend.reset_stats()
+    yield
+    torch._dynamo.reset()
+
+
+@dataclasses.dataclass
+class Captured:
+    compiled: list  # CompiledGraph, one per fw graph, in compile order
+    formats: list  # compiled.graph.format() at compile time (after the pipeline)
+    fn: Callable  # the torch.compile'd function (call it again to reuse the plans)
+    out: Any = None  # the first call's result
+
+    @property
+    def graph(self):
+        assert len(self.compiled) == 1, f"expected one graph, got {len(self.compiled)}"
+        return self.compiled[0]
+
+    @property
+    def text(self) -> str:
+        assert len(self.formats) == 1, f"expected one graph, got {len(self.formats)}"
+        return self.formats[0]
+
+
+def _clone(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.detach().clone()
+    if isinstance(v, (list, tuple)):
+        return type(v)(_clone(x) for x in v)
+    return v
+
+
+def assert_same(got: Any, want: Any, exact: bool = True, **tol: Any) -> None:
+    """Tree-compare results (tensors bit-exact unless ``exact=False``)."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor), f"got {type(got).__name__}, want a tensor"
+        assert got.dtype == want.dtype and got.shape == want.shape, (got, want)
+        if exact:
+            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+        else:
+            torch.testing.assert_close(got, want, equal_nan=True, **tol)
+    elif isinstance(want, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(want), (got, want)
+        for g, w in zip(got, want):
+            assert_same(g, w, exact, **tol)
+    else:
+        assert got == want, (got, want)
+
+
+def make_capture_backend(sink: Captured, options: dict | None = None):
+    """A Dynamo backend that lowers through aot_autograd into fxbackend and records the graphs."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    opts = parse_options(options)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list):
+        def fw_compiler(aten_gm: torch.fx.GraphModule, fake_inputs: list):
+            compiled = compile_fx_graph(aten_gm, opts)
+            sink.compiled.append(compiled)
+            sink.formats.append(compiled.graph.format())
+            run = compiled.run
+
+            def boxed(args: list):
+                out = run(args)
+                args.clear()
+                return out
+
+            boxed._boxed_call = True
+            return boxed
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=fw_compiler,
+                                     keep_inference_input_mutations=True)
+
+    return backend
+
+
+def capture(fn: Callable, *args: Any, dynamic: bool | None = None, options: dict | None = None,
+            check: bool = True, exact: bool = True, **tol: Any) -> Captured:
+    """Compile ``fn`` into fxbackend (fullgraph), call it once on ``args`` and compare the result
+    (and any mutated inputs) with eager run on clones of ``args``."""
+    sink = Captured([], [], None)
+    compiled_fn = torch.compile(fn, backend=make_capture_backend(sink, options), dynamic=dynamic,
+                                fullgraph=True)
+    sink.fn = compiled_fn
+    eager_args = _clone(args)
+    sink.out = compiled_fn(*args)
+    if check:
+        want = fn(*eager_args)
+        assert_same(sink.out, want, exact, **tol)
+        assert_same(list(args), list(eager_args), exact, **tol)  # input mutations too
+    return sink
+
+
+@pytest.fixture
+def capture_fn():
+    return capture

@@ -1,0 +1,418 @@
+"""The executor (fxbackend/executor.py) and backend entry (dynamo.py, options.py, stats.py) on
+small functions, no models: plan caching, input validation, options, the training fallback,
+FXB_DUMP, per-call allocation, counters, dtypes, aliasing outputs, dead code and constants.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import fxbackend
+from fxbackend.dynamo import compile_fx_graph
+from fxbackend.options import Options, parse_options
+
+from conftest import assert_same, capture
+
+
+@pytest.fixture
+def no_grad():
+    with torch.no_grad():
+        yield
+
+
+def _fx(fn, *args) -> fxbackend.CompiledGraph:
+    """A CompiledGraph straight from make_fx (no Dynamo, no aot_autograd DCE)."""
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    return compile_fx_graph(gm, parse_options())
+
+
+# -- plan caching ---------------------------------------------------------------------------------
+
+def test_symbolic_graph_replans_per_shape_without_relowering(no_grad):
+    def fn(x):
+        return torch.softmax(x * 2, -1).sum(0) + x.shape[0]
+
+    c = capture(fn, torch.randn(3, 5), dynamic=True, exact=False)
+    cg = c.graph
+    assert cg.symbolic and len(cg.plans) == 1
+    fxbackend.reset_stats()
+    for shape in [(4, 5), (6, 7), (3, 5), (4, 5)]:
+        x = torch.randn(shape)
+        assert_same(c.fn(x), fn(x), exact=False)
+    assert len(cg.plans) == 3, "one plan per input-shape signature"
+    s = fxbackend.stats()
+    assert s["replans"] == 2 and s["plans_built"] == 2
+    assert s["graphs_compiled"] == 0 and s["calls"] == 4
+    assert len(c.compiled) == 1, "the graph is lowered once"
+    arena_sizes = {p.memory.total_arena for p in cg.plans.values()}
+    assert len(arena_sizes) == 3, "each plan is sized for its shapes"
+
+
+def test_symbolic_stats_from_a_fresh_start(no_grad):
+    fn = torch.compile(lambda x: (x * 2).relu().sum(-1), backend="fxbackend", dynamic=True)
+    for n in (3, 4, 5):
+        x = torch.randn(n, 6)
+        assert_same(fn(x), (x * 2).relu().sum(-1))
+    s = fxbackend.stats()
+    assert (s["graphs_compiled"], s["plans_built"], s["replans"]) == (1, 3, 2)
+
+
+def test_static_graph_plans_once(no_grad):
+    c = capture(lambda x: x.exp() * 2, torch.randn(4, 4))
+    for _ in range(3):
+        c.fn(torch.randn(4, 4))
+    s = fxbackend.stats()
+    assert (s["graphs_compiled"], s["plans_built"], s["replans"], s["calls"]) == (1, 1, 0, 4)
+
+
+# -- direct calls validate their inputs -----------------------------------------------------------
+
+_X, _Y = torch.randn(3, 4), torch.randn(3, 4)
+_BAD = {
+    "count": ((_X,), r"expect(s|ed) 2 inputs, got 1"),
+    "shape": ((torch.randn(3, 5), _Y), r"input 0 \(.*expected shape"),
+    "rank": ((_X, torch.randn(12)), r"input 1 \(.*expected"),
+    "dtype": ((_X.double(), _Y), r"input 0 \(.*expected dtype torch.float32, got torch.float64"),
+    "non-tensor": ((1.5, _Y), r"input 0 \(.*expected a tensor f32\[3,4\], got float"),
+}
+
+
+@pytest.mark.parametrize("target", ["compiled_graph", "fresh_compiled_graph", "plan"])
+@pytest.mark.parametrize("case", sorted(_BAD))
+def test_direct_call_rejects_bad_inputs(no_grad, target, case):
+    args, pattern = _BAD[case]
+    c = capture(lambda x, y: x * y + 1, _X, _Y)
+    cg = c.graph
+    if target == "fresh_compiled_graph":  # no plan yet: concretize validates
+        cg = fxbackend.CompiledGraph(cg.graph, cg.options, "fresh")
+    call = cg.plan_for([_X, _Y]) if target == "plan" else cg
+    with pytest.raises(ValueError, match=pattern):
+        call(*args)
+    assert_same(call(_X, _Y), [_X * _Y + 1])  # still usable
+
+
+def test_direct_call_names_the_placeholder(no_grad):
+    c = capture(lambda x, y: x * y, _X, _Y)
+    name = c.graph.graph.inputs[1].annotations["name"]
+    with pytest.raises(ValueError, match=rf"input 1 \({re.escape(name)}\)"):
+        c.graph(_X, _Y.half())
+
+
+def test_direct_call_symbolic_graph_validation(no_grad):
+    c = capture(lambda x: (x * 2).sum(-1), torch.randn(3, 4), dynamic=True)
+    cg = c.graph
+    assert [type(n.meta).__name__ for n in cg.graph.inputs] == ["ScalarMeta", "ScalarMeta",
+                                                              "TensorMeta"]
+    with pytest.raises(ValueError, match=r"input 2 \(.*dtype"):
+        cg(3, 4, torch.randn(3, 4).double())
+    with pytest.raises(ValueError, match=r"input 2 \(.*same symbolic size"):
+        cg(3, 4, torch.randn(5, 4))
+    with pytest.raises(ValueError, match=r"input 2 \(.*expected a tensor"):
+        cg(3, 4, 1.0)
+    x = torch.randn(5, 6)
+    assert_same(cg(5, 6, x), [(x * 2).sum(-1)])
+
+
+@pytest.mark.xfail(strict=True, raises=IndexError,
+                   reason="engine bug: CompiledGraph._key indexes args before the count is "
+                          "validated, so a symbolic graph raises IndexError")
+def test_direct_call_symbolic_graph_wrong_count(no_grad):
+    c = capture(lambda x: (x * 2).sum(-1), torch.randn(3, 4), dynamic=True)
+    with pytest.raises(ValueError, match="expect"):
+        c.graph(torch.randn(3, 4))
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="engine oddity: a static plan does not check input strides; a "
+                          "non-contiguous input fails inside the generated code")
+def test_direct_call_non_contiguous_input_is_named(no_grad):
+    cg = _fx(lambda x: x.view(-1) * 2, torch.randn(3, 4))
+    with pytest.raises(ValueError, match="input 0"):
+        cg(torch.randn(4, 3).t())
+
+
+@pytest.mark.xfail(strict=True, reason="engine bug: Options.validate_inputs is never read; "
+                                       "CompiledGraph.run never validates")
+def test_validate_inputs_option_checks_every_call(no_grad):
+    gm = make_fx(lambda x: x * 2, tracing_mode="fake")(torch.randn(3, 4))
+    cg = compile_fx_graph(gm, parse_options({"validate_inputs": True}))
+    cg.run([torch.randn(3, 4)])  # builds the plan
+    with pytest.raises(ValueError, match="input 0"):
+        cg.run([torch.randn(3, 4).double()])
+
+
+# -- options --------------------------------------------------------------------------------------
+
+def test_unknown_option_lists_valid_options():
+    fn = torch.compile(lambda x: x + 1, backend="fxbackend", options={"bogus": 1})
+    with pytest.raises(Exception) as info:
+        fn(torch.randn(2))
+    msg = str(info.value)
+    assert "unknown fxbackend option 'bogus'" in msg
+    assert "valid options are: cuda_graphs, dump, force_native, fusion, streams, " \
+           "validate_inputs" in msg
+
+
+def test_bad_option_value():
+    with pytest.raises(ValueError, match="'fusion' must be a bool"):
+        parse_options({"fusion": "yes"})
+    with pytest.raises(ValueError, match="'streams' must be True, False or None"):
+        parse_options({"streams": 1})
+    assert parse_options({"streams": None}).streams is None
+
+
+@pytest.mark.parametrize("var, value, field, want", [
+    ("FXB_DISABLE_FUSION", "1", "fusion", False),
+    ("FXB_DISABLE_FUSION", "0", "fusion", True),
+    ("FXB_DISABLE_FUSION", "", "fusion", True),
+    ("FXB_FORCE_NATIVE", "1", "force_native", True),
+    ("FXB_FORCE_NATIVE", "off", "force_native", False),
+    ("FXB_DUMP", "yes", "dump", True),
+    ("FXB_DUMP", "false", "dump", False),
+    ("FXB_CUDA_GRAPHS", "1", "cuda_graphs", True),
+    ("FXB_STREAMS", "0", "streams", False),
+])
+def test_env_switches(monkeypatch, var, value, field, want):
+    for v in ("FXB_DISABLE_FUSION", "FXB_FORCE_NATIVE", "FXB_DUMP", "FXB_CUDA_GRAPHS",
+              "FXB_STREAMS"):
+        monkeypatch.delenv(v, raising=False)
+    assert parse_options() == Options()
+    monkeypatch.setenv(var, value)
+    assert getattr(parse_options(), field) == want
+
+
+def test_explicit_options_override_env(monkeypatch):
+    monkeypatch.setenv("FXB_DUMP", "1")
+    monkeypatch.setenv("FXB_DISABLE_FUSION", "1")
+    opts = parse_options({"dump": False, "fusion": True})
+    assert opts.dump is False and opts.fusion is True
+
+
+def test_force_native_option_runs(no_grad):
+    fn = torch.compile(lambda x: F.gelu(x) * 3, backend="fxbackend",
+                       options={"force_native": True, "fusion": False})
+    x = torch.randn(5, 5)
+    assert_same(fn(x), F.gelu(x) * 3)
+    assert set(fxbackend.stats()["steps_by_kernel"]) == {"native"}
+
+
+# -- training graphs go to the fallback -----------------------------------------------------------
+
+def test_training_graph_falls_back():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 3)
+    x = torch.randn(2, 4, requires_grad=True)
+
+    def fn(x):
+        return F.gelu(lin(x)).sum()
+
+    out = torch.compile(fn, backend="fxbackend")(x)
+    out.backward()
+    got = (out.detach(), x.grad.clone(), lin.weight.grad.clone(), lin.bias.grad.clone())
+    x.grad = None
+    lin.zero_grad()
+    ref = fn(x)
+    ref.backward()
+    assert_same(got, (ref.detach(), x.grad, lin.weight.grad, lin.bias.grad), exact=False)
+    s = fxbackend.stats()
+    assert s["fallback_graphs"] == 1 and s["graphs_compiled"] == 0 and s["plans_built"] == 0
+
+
+# -- FXB_DUMP -------------------------------------------------------------------------------------
+
+def test_dump_prints_node_lists_and_memory_summary(monkeypatch, capsys, no_grad):
+    monkeypatch.setenv("FXB_DUMP", "1")
+    fn = torch.compile(lambda x: (x * 2).relu().exp() + 1, backend="fxbackend")
+    x = torch.randn(256, 256)
+    assert_same(fn(x), (x * 2).relu().exp() + 1)
+    err = capsys.readouterr().err
+    assert re.search(r"after lower:\n%0 = input : f32\[256,256\]\n%1 = aten\.mul\.Tensor", err)
+    assert "after eliminate_dead_nodes:\n%0 = input" in err
+    assert "%4 = aten.add.Tensor(%3) {other=1} : f32[256,256]  # output" in err
+    m = re.search(r"arena (\d+\.\d+) MB \(sum of intermediates (\d+\.\d+) MB\)", err)
+    assert m, err
+    s = fxbackend.stats()
+    # three 256 KiB intermediates, two live at a time
+    assert float(m.group(1)) == pytest.approx(s["arena_bytes"] / 2**20, abs=0.01) == 0.5
+    assert float(m.group(2)) == pytest.approx(s["intermediate_bytes"] / 2**20, abs=0.01) == 0.75
+
+
+def test_no_dump_by_default(monkeypatch, capsys, no_grad):
+    monkeypatch.delenv("FXB_DUMP", raising=False)
+    torch.compile(lambda x: x * 2, backend="fxbackend")(torch.randn(3))
+    assert "[fxbackend]" not in capsys.readouterr().err
+
+
+# -- per-call allocation: only outputs ------------------------------------------------------------
+
+def test_outputs_fresh_per_call_arena_reused(no_grad):
+    def fn(x):
+        return (x * 2).relu().exp() + 1, x.sin().sum(0)
+
+    x = torch.randn(64, 64)
+    c = capture(fn, x)
+    plan = c.graph.plan_for([x])
+    assert plan.memory.buffers and plan.memory.total_arena < plan.memory.sum_intermediates
+    assert len(plan.memory.per_call) == 2
+    assert plan.source.count("empty_strided") == 2, "one allocation per output, nothing else"
+    arena_ptrs = {d: a.data_ptr() for d, a in plan.arenas.items()}
+    first = c.fn(x)
+    first_copy = [t.clone() for t in first]
+    second = c.fn(x + 1)
+    for a in first:
+        for b in second:
+            assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    assert_same(first, first_copy)  # outputs are never overwritten by a later call
+    assert_same(second, fn(x + 1))
+    assert c.graph.plan_for([x]) is plan
+    assert {d: a.data_ptr() for d, a in plan.arenas.items()} == arena_ptrs
+
+
+# -- counters -------------------------------------------------------------------------------------
+
+def test_steps_by_kernel_counts_per_call(no_grad):
+    c = capture(lambda x: torch.relu(x * 2) + 1, torch.randn(8, 8))
+    plan = c.graph.plan_for([torch.randn(8, 8)])
+    assert sum(plan.step_counts.values()) == 3
+    for _ in range(4):
+        c.fn(torch.randn(8, 8))
+    s = fxbackend.stats()
+    assert s["calls"] == 5
+    assert s["steps_by_kernel"] == {"native": 3 * 5}
+    assert s["copies"] == 0
+
+
+def test_copies_for_op_without_out_overload(no_grad):
+    q = torch.randn(1, 2, 5, 8)
+    c = capture(lambda q: F.scaled_dot_product_attention(q, q, q) * 2, q, exact=False)
+    (attn,) = [n for n in c.graph.graph.nodes if "scaled_dot_product" in n.op]
+    plan = c.graph.plan_for([q])
+    assert plan.copies == 1, "only the read output is copied"
+    assert (attn.id, 1) not in plan.memory.offsets, "the unread logsumexp gets no storage"
+    c.fn(q)
+    c.fn(q)
+    assert fxbackend.stats()["copies"] == 3
+
+
+def test_copy_for_single_output_op_without_out_overload(no_grad):
+    fn = lambda x: torch.ops.aten._safe_softmax(x * 2, -1) + 1  # noqa: E731
+    c = capture(fn, torch.randn(4, 6))
+    ops = [n.op for n in c.graph.graph.nodes]
+    assert "aten._safe_softmax.default" in ops
+    c.fn(torch.randn(4, 6))
+    assert fxbackend.stats()["copies"] == 2
+
+
+# -- dtypes ---------------------------------------------------------------------------------------
+
+_DTYPE_CASES = {
+    "int64": (lambda x: (x * 3 + 1) // 2 % 5 - x.abs(), lambda: torch.randint(-50, 50, (4, 5))),
+    "int32_bits": (lambda x: ((x << 2) ^ x) & 0xFF,
+                   lambda: torch.randint(-50, 50, (4, 5), dtype=torch.int32)),
+    "uint8": (lambda x: x // 3 + x.max(), lambda: torch.randint(0, 80, (7,), dtype=torch.uint8)),
+    "bool": (lambda x: ((x > 0) & ~(x > 1)) | (x < -1), lambda: torch.randn(4, 5)),
+    "bool_where": (lambda x: torch.where(x > 0, x, -x).sum(-1) + (x > 0).sum(-1),
+                   lambda: torch.randn(4, 5)),
+    "float16": (lambda x: torch.softmax(x * 2, -1) + x, lambda: torch.randn(4, 5).half()),
+    "bfloat16": (lambda x: F.silu(x) @ x.t(), lambda: torch.randn(4, 5).bfloat16()),
+    "to_dtype": (lambda x: x.half().float() + x.to(torch.bfloat16).double(),
+                 lambda: torch.randn(6)),
+    "complex_view": (lambda x: torch.view_as_real(torch.view_as_complex(x)
+                                                  * torch.view_as_complex(x).conj()),
+                     lambda: torch.randn(4, 5, 2)),
+    "complex_input": (lambda z: (z * 1j + z.abs()).exp(),
+                      lambda: torch.randn(3, 4, dtype=torch.complex64)),
+    "bitcast_view": (lambda x: (x.view(torch.int32) & 0xFF).float() + x, lambda: torch.randn(3, 4)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_DTYPE_CASES))
+def test_dtypes_exact(no_grad, case):
+    fn, make = _DTYPE_CASES[case]
+    c = capture(fn, make())  # compares with eager, bit-exact
+    x = make()
+    assert_same(c.fn(x), fn(x))
+
+
+# -- aliasing outputs, dead code, constants -------------------------------------------------------
+
+def test_returns_input_and_views_of_input(no_grad):
+    x = torch.randn(3, 4)
+    c = capture(lambda x: (x, x[1:].t(), x * 2), x)
+    out = c.fn(x)
+    assert out[0].data_ptr() == x.data_ptr()
+    assert out[1].data_ptr() == x[1:].data_ptr() and out[1].stride() == (1, 4)
+
+
+def test_compiled_graph_returns_input_unchanged(no_grad):
+    x = torch.randn(3, 4)
+    cg = _fx(lambda x: (x, x.t(), x * 2, x[0]), x)
+    out = cg(x)
+    assert out[0] is x
+    assert out[1].data_ptr() == x.data_ptr() and out[1].shape == (4, 3)
+    assert out[3].data_ptr() == x.data_ptr()
+    assert_same(out[2], x * 2)
+    assert cg.plan_for([x]).memory.total_arena == 0
+
+
+def test_output_view_of_intermediate(no_grad):
+    def fn(x):
+        y = x.exp()
+        return y.t(), y[0], y.sum()
+
+    x = torch.randn(3, 4)
+    c = capture(fn, x)
+    out = c.fn(x)
+    assert out[0].data_ptr() == out[1].data_ptr(), "both views of one per-call buffer"
+    assert out[0].stride() == fn(x)[0].stride()
+
+
+def test_dead_code_is_dropped(no_grad):
+    x = torch.randn(3, 4)
+    fn = lambda x: (x.exp(), torch.var_mean(x, 1)[0], x.sin() * 2)[2]  # noqa: E731
+    cg = _fx(fn, x)  # make_fx keeps the dead exp and var_mean, the engine drops them
+    assert [n.op for n in cg.graph.nodes] == ["input", "aten.sin.default", "aten.mul.Tensor"]
+    assert fxbackend.stats()["nodes_lowered"] == 2
+    assert_same(cg(x), [fn(x)])
+    # through Dynamo too
+    c = capture(fn, x)
+    assert "exp" not in c.text
+
+
+def test_unread_outputs_of_multi_output_op(no_grad):
+    x = torch.randn(3, 4)
+    c = capture(lambda x: torch.sort(x, -1)[0][:, :2] * torch.var_mean(x, 1)[1][:, None], x)
+    assert_same(c.fn(x + 1), torch.sort(x + 1, -1)[0][:, :2]
+                * torch.var_mean(x + 1, 1)[1][:, None])
+
+
+def test_constants_created_inside(no_grad):
+    def fn(x):
+        return x * torch.arange(4) + torch.ones(3, 4) + torch.tensor([1.0, 2.0, 3.0, 4.0])
+
+    x = torch.randn(3, 4)
+    c = capture(fn, x)
+    assert "aten.arange" in c.text and "aten.ones" in c.text and "constant()" in c.text
+    for _ in range(2):
+        x = torch.randn(3, 4)
+        assert_same(c.fn(x), fn(x))
+
+
+def test_inplace_update_of_input_every_call(no_grad):
+    def fn(x):
+        x.mul_(2).add_(1)
+        return x.sum()
+
+    x = torch.randn(5)
+    c = capture(fn, x)
+    y, ref = torch.randn(5), None
+    ref = y.clone()
+    for _ in range(3):
+        out = c.fn(y)
+        ref = ref * 2 + 1
+        assert_same(y, ref)
+        assert_same(out, ref.sum())
