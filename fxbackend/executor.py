@@ -206,6 +206,30 @@ def _propagate(graph: Graph, args: Sequence[Any]) -> tuple[dict, dict]:
     return metas, scalars
 
 
+def _fast_out_table() -> dict[str, Any]:
+    """Functional ATen ops whose ``torch.*`` binding, called with the same arguments plus
+    ``out=``, runs the op's ``.out`` overload: the Python binding parses its arguments faster
+    than a generic ``OpOverload`` call, which matters for graphs of many small ops.
+    ``tests/test_native.py`` checks every entry against its ``.out`` overload."""
+    table = {}
+    unary = ["sin", "cos", "exp", "log", "rsqrt", "sqrt", "sigmoid", "tanh", "neg", "abs",
+             "reciprocal", "erf", "exp2", "log1p", "expm1", "floor", "ceil", "sign"]
+    for name in unary:
+        table[f"aten.{name}.default"] = getattr(torch, name)
+    for name in ["add", "sub", "mul", "div", "eq", "ne", "lt", "le", "gt", "ge"]:
+        table[f"aten.{name}.Tensor"] = getattr(torch, name)
+    for name in ["maximum", "minimum", "atan2"]:
+        table[f"aten.{name}.default"] = getattr(torch, name)
+    table["aten.pow.Tensor_Scalar"] = table["aten.pow.Tensor_Tensor"] = torch.pow
+    table["aten.where.self"] = torch.where
+    for name in ["mm", "bmm", "addmm", "baddbmm"]:
+        table[f"aten.{name}.default"] = getattr(torch, name)
+    return table
+
+
+_FAST_OUT = _fast_out_table()
+
+
 class Plan:
     """A graph made concrete for one input signature: kernels, arena offsets, generated steps.
 
@@ -400,6 +424,16 @@ class Plan:
                 continue
             # a compute node that owns fresh storage
             multi = isinstance(self.metas[n], tuple)
+            if (not multi and kernel is registry.NATIVE and (n.id, None) in per_call
+                    and n.op != "aten._to_copy.default"
+                    and not (isinstance(n.target, torch._ops.OpOverload) and out_overload(n.target))):
+                # returned to the caller and computed fresh anyway: hand that result over
+                a, kw = call_args(n, src_of, value_of)
+                fn = const(n.target._op if hasattr(n.target, "_op") else n.target)
+                lines.append(f"v{n.id} = {fn.src}({self._args_src(a, kw)})")
+                expr[n] = _Code(f"v{n.id}")
+                self.step_counts[kernel.name] += 1
+                continue
             if multi:
                 outs = [storage(n, i) if isinstance(m, TensorMeta) else (None, None)
                         for i, m in enumerate(self.metas[n])]
@@ -420,7 +454,7 @@ class Plan:
                 # a conversion into planned storage is exactly copy_ (dtype, device, layout)
                 lines.append(f"{codes[0].src}.copy_({_render(a[0])})")
             elif ov is not None and all(c is not None for c in codes):
-                fn = const(ov[0]._op)
+                fn = const(_FAST_OUT.get(n.op) or ov[0]._op)
                 outkw = ", ".join(f"{name}={c.src}" for name, c in zip(ov[1], codes))
                 args_src = self._args_src(a, kw)
                 lines.append(f"{fn.src}({args_src}{', ' if args_src else ''}{outkw})")
@@ -450,10 +484,15 @@ class Plan:
             dev = next(iter(self.arenas), "cpu")
             ns["_ws"] = self.workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8,
                                                      device=dev)
-        self.source = "def run(args):\n" + "\n".join("    " + ln for ln in lines) + "\n"
+        # constants become closure cells of the step function: cheaper to load than globals
+        names = [k for k in ns if not k.startswith("__") and k != "_keep"]
+        self.source = ("def _make(" + ", ".join(names) + "):\n"
+                       "    def run(args):\n" + "\n".join("        " + ln for ln in lines) +
+                       "\n    return run\n")
         code = compile(self.source, f"<fxbackend plan {self.name}>", "exec")
-        exec(code, ns)
-        self._run = ns["run"]
+        scope: dict[str, Any] = {}
+        exec(code, scope)
+        self._run = scope["_make"](*[ns[k] for k in names])
         self._ns = ns
 
     def _device_of(self, n: Node) -> torch.device:
@@ -510,6 +549,9 @@ class Plan:
                                      f"{tuple(a.shape)}")
                 if a.device.type != m.device.type:
                     raise ValueError(f"{what}: expected device {m.device}, got {a.device}")
+                if any(sz > 1 and st != want for sz, st, want in zip(a.shape, a.stride(), m.stride)):
+                    raise ValueError(f"{what}: expected strides {tuple(m.stride)}, got "
+                                     f"{a.stride()}")
             elif n in self.scalars and a != self.scalars[n]:
                 raise ValueError(f"{what}: this plan was built for {self.scalars[n]}, got {a}")
         return self.run(list(args))
@@ -559,6 +601,8 @@ class CompiledGraph:
                 metas, scalars = concretize(self.graph, args)
                 plan = self._static = Plan(self.graph, self.options, metas, scalars, self.name)
             return plan
+        if len(args) != len(self.graph.inputs):
+            raise ValueError(f"{self.name} expects {len(self.graph.inputs)} inputs, got {len(args)}")
         key = self._key(args)
         plan = self.plans.get(key)
         if plan is None or plan.generation != registry.generation():
@@ -570,7 +614,10 @@ class CompiledGraph:
         return plan
 
     def run(self, args: list) -> list:
-        """The fast path (behind Dynamo's guards): validate only when a plan is built."""
+        """The fast path (behind Dynamo's guards): validate only when a plan is built, unless
+        the ``validate_inputs`` option asks for every call."""
+        if self.options.validate_inputs:
+            return self.plan_for(args)(*args)
         if not self.symbolic:
             plan = self._static
             if plan is None or plan.generation != registry.generation():

@@ -115,8 +115,7 @@ def _lower_overload(g: Graph, fx_node: torch.fx.Node, op: torch._ops.OpOverload,
         if arg.name not in bound:
             continue
         value = bound[arg.name]
-        if is_tensor_type(arg.type) and (value is None or isinstance(value, (torch.fx.Node, list,
-                                                                             tuple))):
+        if is_tensor_type(arg.type) and _holds_tensors(value, env):
             if isinstance(value, (list, tuple)):
                 mask = tuple(v is not None for v in value)
                 layout.append((arg.name, mask))
@@ -131,6 +130,9 @@ def _lower_overload(g: Graph, fx_node: torch.fx.Node, op: torch._ops.OpOverload,
     node = g.new_node(str(op), srcs, params, meta, tensor_layout=tuple(layout))
     # aliasing from the schema: an output that shares an input's alias set is a view of it, or
     # an in-place write into it when that input is written
+    if str(op) in _UNANNOTATED_VIEWS and srcs:
+        node.view_of = srcs[0]
+        return node
     ret_sets = _return_alias_sets(schema)
     for arg in schema.arguments:
         info = arg.alias_info
@@ -149,6 +151,19 @@ def is_tensor_type(t: Any) -> bool:
     s = str(t)
     return s in ("Tensor", "Tensor?", "Tensor[]", "Tensor?[]", "List[Tensor]",
                  "List[Optional[Tensor]]", "Optional[Tensor]")
+
+
+def _holds_tensors(value: Any, env: dict) -> bool:
+    """Whether a Tensor-typed argument's value is tensors (not a Python or symbolic scalar,
+    which ATen wraps into a tensor: those are params)."""
+    if value is None or isinstance(value, (list, tuple)):
+        return True
+    return isinstance(value, torch.fx.Node) and not env[value].is_scalar
+
+
+#: ops whose schema carries no alias annotation but whose result shares its input's storage
+#: (``_unsafe_view`` is ``view`` with autograd's aliasing bookkeeping turned off)
+_UNANNOTATED_VIEWS = {"aten._unsafe_view.default"}
 
 
 _ALIAS_RE = re.compile(r"Tensor\(([a-z]+)!?\)")

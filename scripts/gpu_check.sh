@@ -37,11 +37,11 @@ fi
 $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$LOG/install.log" 2>&1 \
     || { echo "install failed"; cat "$LOG/install.log"; exit 1; }
 
-step cuda_tests 240 $PY -m pytest -q -m cuda -p no:cacheprovider tests
-step bench_cuda 150 $PY scripts/bench.py --device cuda --sizes tiny,small \
+step cuda_tests 200 $PY -m pytest -q -m cuda -p no:cacheprovider tests
+step bench_cuda 120 $PY scripts/bench.py --device cuda --sizes tiny,small \
     --backends eager,aot_eager,fxbackend --repeat 20 --json "$LOG/bench_cuda.json"
-step bench_cuda_inductor 120 $PY scripts/bench.py --device cuda --sizes small --families flux \
+step bench_cuda_inductor 90 $PY scripts/bench.py --device cuda --sizes small --families flux \
     --backends eager,inductor,fxbackend --repeat 20 --json "$LOG/bench_cuda_inductor.json"
-step overhead_cuda 60 $PY scripts/bench_overhead.py --device cuda --json "$LOG/overhead_cuda.json"
+step overhead_cuda 120 $PY scripts/bench_overhead.py --device cuda --rounds 3 --calls 100 --json "$LOG/overhead_cuda.json"
 echo "gpu_check: $([ $status -eq 0 ] && echo all steps passed || echo some step failed)" | tee -a "$LOG/summary.txt"
 exit $status

@@ -120,8 +120,3 @@ def capture(fn: Callable, *args: Any, dynamic: bool | None = None, options: dict
         assert_same(sink.out, want, exact, **tol)
         assert_same(list(args), list(eager_args), exact, **tol)  # input mutations too
     return sink
-
-
-@pytest.fixture
-def capture_fn():
-    return capture

@@ -85,7 +85,7 @@ def test_reshape_of_transposed_copies():
 %1 = aten.view.default(%0) {size=[2, 3, 4]} : f32[2,3,4]  # view_of=%0
 %2 = aten.transpose.int(%1) {dim0=1, dim1=2} : f32[2,4,3]{12,1,4}  # view_of=%1
 %3 = aten.clone.default(%2) {memory_format=contiguous_format} : f32[2,4,3]
-%4 = aten._unsafe_view.default(%3) {size=[2, 12]} : f32[2,12]
+%4 = aten._unsafe_view.default(%3) {size=[2, 12]} : f32[2,12]  # view_of=%3
 %5 = aten.add.Tensor(%4) {other=1} : f32[2,12]  # output
 return (%5)""")
 
@@ -101,7 +101,7 @@ def test_dynamic_shapes_sym_nodes():
 %3 = sym.mul() {args=[%0, %1]} : int
 %4 = aten.view.default(%2) {size=[%3]} : f32[s27*s77]  # view_of=%2
 %5 = sym.floordiv() {args=[%1, 2]} : int
-%6 = aten.mul.Tensor(%4, %5) : f32[s27*s77]  # output
+%6 = aten.mul.Tensor(%4) {other=%5} : f32[s27*s77]  # output
 return (%6)""")
     graph = c.graph.graph
     assert graph.is_symbolic and c.graph.symbolic
@@ -123,3 +123,11 @@ return (%2)""")
     graph = c.graph.graph
     (write,) = [n for n in graph.nodes if n.inplace_of is not None]
     assert write.inplace_of is graph.inputs[0]
+
+
+def test_srcs_hold_tensors_only():
+    x = torch.randn(3, 4)
+    c = capture(lambda x: x * (x.shape[1] // 2), x, dynamic=True)
+    bad = [f"%{n.id} {n.op} reads scalar %{s.id}" for n in c.graph.graph.nodes for s in n.srcs
+           if s.is_scalar]
+    assert bad == []

@@ -1,0 +1,71 @@
+"""The native kernel: ``.out`` overload discovery and the fast ``torch.*`` bindings, generated
+from the tables so that no entry goes untested."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fxbackend.executor import _FAST_OUT
+from fxbackend.native import out_overload
+
+
+def _resolve(name: str) -> torch._ops.OpOverload:
+    _, op, overload = name.split(".")
+    return getattr(getattr(torch.ops.aten, op), overload)
+
+
+def _sample_args(op: torch._ops.OpOverload):
+    g = torch.Generator().manual_seed(0)
+
+    def t(*shape):
+        return torch.rand(shape, generator=g) + 0.5  # positive: log, sqrt, pow stay finite
+
+    name = op._schema.name.split("::")[1]
+    if name in ("mm",):
+        return [t(5, 3), t(3, 4)]
+    if name == "bmm":
+        return [t(2, 5, 3), t(2, 3, 4)]
+    if name == "addmm":
+        return [t(4), t(5, 3), t(3, 4)]
+    if name == "baddbmm":
+        return [t(2, 5, 4), t(2, 5, 3), t(2, 3, 4)]
+    if name == "where":
+        return [t(7) > 1.0, t(7), t(7)]
+    n_tensors = sum(1 for a in op._schema.arguments if str(a.type) == "Tensor")
+    args = [t(3, 7) for _ in range(n_tensors)]
+    if op._overloadname == "Tensor_Scalar":
+        args.append(1.5)
+    return args
+
+
+@pytest.mark.parametrize("name", sorted(_FAST_OUT))
+def test_fast_binding_matches_out_overload(name):
+    op = _resolve(name)
+    ov = out_overload(op)
+    assert ov is not None, f"{name} has no .out overload"
+    args = _sample_args(op)
+    ref = op(*args)
+    via_out = torch.empty_like(ref)
+    ov[0](*args, **{ov[1][0]: via_out})
+    fast = torch.empty_like(ref)
+    _FAST_OUT[name](*args, out=fast)
+    assert torch.equal(via_out, ref)
+    assert torch.equal(fast, ref)
+
+
+@pytest.mark.parametrize("name,outs", [
+    ("aten.mul.Tensor", ("out",)),
+    ("aten.native_layer_norm.default", ("out0", "out1", "out2")),
+    ("aten.convolution.default", ("out",)),
+    ("aten.cat.default", ("out",)),
+])
+def test_out_overload_found(name, outs):
+    ov = out_overload(_resolve(name))
+    assert ov is not None and ov[1] == outs
+
+
+@pytest.mark.parametrize("name", ["aten._scaled_dot_product_flash_attention_for_cpu.default",
+                                  "aten.view.default", "aten.add_.Tensor"])
+def test_out_overload_absent(name):
+    # no .out overload (attention), or not a functional op (view, in-place)
+    assert out_overload(_resolve(name)) is None
