@@ -222,8 +222,12 @@ def _fast_out_table() -> dict[str, Any]:
         table[f"aten.{name}.default"] = getattr(torch, name)
     table["aten.pow.Tensor_Scalar"] = table["aten.pow.Tensor_Tensor"] = torch.pow
     table["aten.where.self"] = torch.where
-    for name in ["mm", "bmm", "addmm", "baddbmm"]:
+    for name in ["mm", "bmm", "addmm", "baddbmm", "_softmax"]:
         table[f"aten.{name}.default"] = getattr(torch, name)
+    table["aten.silu.default"] = torch._C._nn.silu
+    table["aten.gelu.default"] = torch._C._nn.gelu
+    # ATen's relu is clamp_min(self, 0); its binding takes out=, relu's does not
+    table["aten.relu.default"] = (torch.clamp_min, (0,))
     return table
 
 
@@ -454,7 +458,11 @@ class Plan:
                 # a conversion into planned storage is exactly copy_ (dtype, device, layout)
                 lines.append(f"{codes[0].src}.copy_({_render(a[0])})")
             elif ov is not None and all(c is not None for c in codes):
-                fn = const(_FAST_OUT.get(n.op) or ov[0]._op)
+                fast = _FAST_OUT.get(n.op) if not kw or n.op == "aten.gelu.default" else None
+                if isinstance(fast, tuple):  # (binding, extra positional arguments)
+                    fast, extra = fast
+                    a = list(a) + [const(x) for x in extra]
+                fn = const(fast or ov[0]._op)
                 outkw = ", ".join(f"{name}={c.src}" for name, c in zip(ov[1], codes))
                 args_src = self._args_src(a, kw)
                 lines.append(f"{fn.src}({args_src}{', ' if args_src else ''}{outkw})")

@@ -8,8 +8,8 @@ What it measures, for every selected model config of :data:`fxbackend.models.MOD
 * **first call**: wall time of the first call of ``torch.compile(model, backend=...)`` with
   Dynamo's caches reset just before (``torch._dynamo.reset()``), i.e. trace + compile + one run.
   For ``eager`` it is the first plain call of the freshly built model.
-* **steady**: median wall time of ``--repeat`` calls after 2 warm-up calls (on CUDA each call is
-  timed with CUDA events).
+* **steady**: median wall time of ``--repeat`` (default 10) calls after ``--warmup`` (default 2)
+  warm-up calls; ``--quick`` makes that 3 after 1.  On CUDA each call is timed with CUDA events.
 * **max error** against eager: ``max|out - ref| / max|ref|`` (computed in float32), where
   ``ref`` is eager's output of an identically seeded model on the same inputs.
 * **memory**: on CUDA ``torch.cuda.max_memory_allocated`` (after ``reset_peak_memory_stats``)
@@ -35,11 +35,19 @@ Run (from the repository root)::
     .venv/bin/python scripts/bench.py --sizes tiny --repeat 3
     .venv/bin/python scripts/bench.py --families flux,sd3 --backends eager,fxbackend --quick
     .venv/bin/python scripts/bench.py --sizes tiny --dynamic
+    .venv/bin/python scripts/bench.py --threads 1               # stable numbers on a busy CPU
     .venv/bin/python scripts/bench.py --device cuda --dtype bfloat16
 
-On the 2-core CPU development machine the default run (4 small models x 4 backends, cold
-Inductor cache) takes roughly 10 minutes, most of it Inductor's C++ compiles; ``--backends
-eager,aot_eager,fxbackend`` skips those.
+Duration on the 2-core CPU development machine: the default run (4 small models x 4 backends,
+cold Inductor cache) took about 3.5 minutes on a lightly loaded machine and about 12.5 minutes
+with other jobs running (load average ~5); Inductor's cold C++ compiles are most of it (about
+8-56 s per small model when quiet, up to ~90 s under load).  ``--backends
+eager,aot_eager,fxbackend`` skips them (well under a minute for the small models).
+
+Noise: timings are wall-clock.  On a shared 2-core machine torch's default 2 intra-op threads
+stall whenever another process holds a core, which makes single calls 10-50x slower at random;
+``--threads 1`` gives stable (if slower) numbers there.  The JSON keeps every call's time, the
+median and the minimum, and the load average after each backend.
 """
 from __future__ import annotations
 
@@ -507,6 +515,12 @@ def main(args):
         print(f"inductor cache: {CACHE_MODE}"
               + (f" (fresh temporary TORCHINDUCTOR_CACHE_DIR={CACHE_DIR}, removed at exit)"
                  if CACHE_MODE == "cold" else f" (TORCHINDUCTOR_CACHE_DIR={CACHE_DIR})"))
+    la = meta["loadavg_start"]
+    if device.type == "cpu" and la and la[0] > (os.cpu_count() or 1) and \
+            torch.get_num_threads() > 1:
+        print(f"warning: load average {la[0]} exceeds the {os.cpu_count()} CPUs; multi-threaded "
+              f"CPU kernels then stall unpredictably (10x swings between calls): consider "
+              f"--threads 1 for stable numbers", flush=True)
     meta["warmup_s"] = warm_up_backends(args.backends, device, dtype, args.fxbackend_options)
     print(f"start-up warm-up (Dynamo + backends' one-time costs): {meta['warmup_s']:.1f} s",
           flush=True)

@@ -31,6 +31,10 @@ def _sample_args(op: torch._ops.OpOverload):
         return [t(2, 5, 4), t(2, 5, 3), t(2, 3, 4)]
     if name == "where":
         return [t(7) > 1.0, t(7), t(7)]
+    if name == "_softmax":
+        return [t(3, 7), 1, False]
+    if name in ("relu", "silu", "gelu"):
+        return [t(3, 7) - 1.0]  # both signs
     n_tensors = sum(1 for a in op._schema.arguments if str(a.type) == "Tensor")
     args = [t(3, 7) for _ in range(n_tensors)]
     if op._overloadname == "Tensor_Scalar":
@@ -48,7 +52,11 @@ def test_fast_binding_matches_out_overload(name):
     via_out = torch.empty_like(ref)
     ov[0](*args, **{ov[1][0]: via_out})
     fast = torch.empty_like(ref)
-    _FAST_OUT[name](*args, out=fast)
+    binding = _FAST_OUT[name]
+    if isinstance(binding, tuple):  # (binding, extra positional arguments)
+        binding[0](*args, *binding[1], out=fast)
+    else:
+        binding(*args, out=fast)
     assert torch.equal(via_out, ref)
     assert torch.equal(fast, ref)
 
