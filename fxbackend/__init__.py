@@ -6,16 +6,24 @@ kernel registry.  See ARCHITECTURE.md.
 """
 from __future__ import annotations
 
-from .dynamo import compile_fx_graph, fxbackend_backend
-from .executor import CompiledGraph, Plan
+from . import services
+from .dynamo import compile_fx_graph, explain, fxbackend_backend
+from .executor import CompiledGraph, ExecContext, Plan
+from .extensions import load_extensions
+from .fusion import graph_delay, register_fusion, unregister_fusion
 from .ir import Graph, Node, ScalarMeta, TensorMeta
+from .ops import get_op, op_create, register_op, unregister_op
 from .options import Options, parse_options
-from .registry import register_kernel, select_kernel, unregister_kernel
+from .registry import (register_kernel, select_kernel, supports_native_op, supports_op,
+                       unregister_kernel)
 from .stats import reset_stats, stats
 
-__all__ = ["fxbackend_backend", "compile_fx_graph", "CompiledGraph", "Plan", "Graph", "Node",
-           "TensorMeta", "ScalarMeta", "Options", "parse_options", "register_kernel",
-           "unregister_kernel", "select_kernel", "stats", "reset_stats", "backend"]
+__all__ = ["fxbackend_backend", "compile_fx_graph", "explain", "CompiledGraph", "Plan",
+           "ExecContext", "Graph", "Node", "TensorMeta", "ScalarMeta", "Options",
+           "parse_options", "register_op", "unregister_op", "get_op", "op_create",
+           "register_kernel", "unregister_kernel", "select_kernel", "supports_op",
+           "supports_native_op", "register_fusion", "unregister_fusion", "graph_delay",
+           "load_extensions", "services", "stats", "reset_stats", "backend"]
 
 #: the Dynamo backend callable (also registered by name through the entry point)
 backend = fxbackend_backend

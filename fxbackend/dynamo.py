@@ -15,13 +15,16 @@ import torch
 
 from . import stats
 from .executor import CompiledGraph
+from .extensions import load_extensions
 from .lower import lower
 from .options import Options, parse_options
 from .pipeline import run_pipeline
 
-__all__ = ["fxbackend_backend", "compile_fx_graph"]
+__all__ = ["fxbackend_backend", "compile_fx_graph", "explain"]
 
 _graph_ids = itertools.count()
+#: callables told about every CompiledGraph made (explain() listens here)
+_listeners: list = []
 
 
 def _needs_autograd(example_inputs: Sequence[Any]) -> bool:
@@ -46,7 +49,10 @@ def compile_fx_graph(aten_gm: torch.fx.GraphModule, options: Options,
     graph = run_pipeline(graph, options, name)
     stats.bump("graphs_compiled")
     stats.bump("nodes_lowered", sum(1 for n in graph.nodes if not n.is_input))
-    return CompiledGraph(graph, options, name)
+    compiled = CompiledGraph(graph, options, name)
+    for listener in list(_listeners):
+        listener(compiled)
+    return compiled
 
 
 def fxbackend_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None,
@@ -59,6 +65,7 @@ def fxbackend_backend(gm: torch.fx.GraphModule, example_inputs: list, options: d
         raise ValueError(f"fxbackend got unexpected arguments {sorted(kwargs)}; pass settings "
                          f"as options={{...}}")
     opts = parse_options(options)
+    load_extensions()
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._functorch._aot_autograd.utils import make_boxed_func
@@ -86,3 +93,29 @@ def fxbackend_backend(gm: torch.fx.GraphModule, example_inputs: list, options: d
 
     return aot_module_simplified(gm, example_inputs, fw_compiler=fw_compiler,
                                  keep_inference_input_mutations=True)
+
+
+def explain(model_or_fn: Any, *args: Any, options: dict | None = None, **kwargs: Any) -> str:
+    """Compile ``model_or_fn`` with fxbackend, call it once on ``args``/``kwargs`` (no grad),
+    and return (and print) the report of every graph: the node list with the kernel chosen for
+    each step, each fusion fired, and each match declined with why.
+
+    Resets Dynamo's caches first, so that every graph is compiled (and reported) afresh.
+    """
+    torch._dynamo.reset()
+    seen: list[CompiledGraph] = []
+    _listeners.append(seen.append)
+    try:
+        compiled = torch.compile(model_or_fn, backend=fxbackend_backend, options=options)
+        with torch.no_grad():
+            compiled(*args, **kwargs)
+    finally:
+        _listeners.remove(seen.append)
+    parts = []
+    for cg in seen:
+        plans = list(cg.plans.values()) + ([cg._static] if cg._static is not None else [])
+        for plan in plans:
+            parts.append(plan.report())
+    text = "\n\n".join(parts) if parts else "no graph was compiled"
+    print(text)
+    return text

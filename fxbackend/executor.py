@@ -24,21 +24,68 @@ from . import registry, stats
 from .ir import Graph, Node, ScalarMeta, TensorMeta, storage_root
 from .lower import SYM_OPS
 from .memory import MemoryPlan, plan_memory
+from .fusion import FusionReport, apply_fusions
 from .native import call_args, out_overload
 from .options import Options
+from .services import CancelToken, running
 
-__all__ = ["CompiledGraph", "Plan", "ExecContext", "concretize"]
+__all__ = ["CompiledGraph", "Plan", "ExecContext", "concretize", "instantiate"]
 
 _PLAN_TIME_SCALAR_OPS = {"aten.sym_size.int", "aten.sym_stride.int", "aten.sym_numel.default",
                          "aten.sym_storage_offset.default"}
 
 
-@dataclasses.dataclass
 class ExecContext:
-    """What an extension kernel's ``execute`` gets: the device and, on CUDA, the stream."""
+    """What an extension kernel's ``execute`` gets: ``device`` and, on CUDA, ``stream`` (the
+    stream current when the step runs: launch there)."""
 
-    device: torch.device
-    stream: Any = None
+    __slots__ = ("device",)
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @property
+    def stream(self) -> Any:
+        if self.device.type == "cuda":
+            return torch.cuda.current_stream(self.device)
+        return None
+
+    def __repr__(self) -> str:
+        return f"ExecContext(device={self.device})"
+
+
+def instantiate(graph: Graph, metas: dict, scalars: dict) -> tuple[Graph, dict, dict]:
+    """A copy of ``graph`` for one plan: concrete metadata on every node, and plan-time scalar
+    values substituted into params.  Per-plan passes (fusion, placement) rewrite the copy."""
+    g = Graph()
+    g._next_id = graph._next_id
+    new: dict[Node, Node] = {}
+
+    def mp(v: Any) -> Any:
+        if isinstance(v, Node):
+            return scalars[v] if v in scalars else new[v]
+        if isinstance(v, (list, tuple)):
+            return type(v)(mp(x) for x in v)
+        if isinstance(v, dict):
+            return {k: mp(x) for k, x in v.items()}
+        return v
+
+    out_metas: dict = {}
+    out_scalars: dict = {}
+    for n in graph.nodes:
+        c = Node(n.id, n.op, [new[x] for x in n.srcs], {k: mp(v) for k, v in n.params.items()},
+                 metas[n], view_of=new.get(n.view_of) if n.view_of is not None else None,
+                 inplace_of=new.get(n.inplace_of) if n.inplace_of is not None else None,
+                 is_input=n.is_input, is_weight=n.is_weight, is_output=n.is_output,
+                 target=n.target, tensor_layout=n.tensor_layout,
+                 annotations=dict(n.annotations))
+        new[n] = c
+        g.nodes.append(c)
+        out_metas[c] = metas[n]
+        if n in scalars:
+            out_scalars[c] = scalars[n]
+    g.outputs = [new[o] if isinstance(o, Node) else o for o in graph.outputs]
+    return g, out_metas, out_scalars
 
 
 class _Code:
@@ -191,6 +238,15 @@ def _propagate(graph: Graph, args: Sequence[Any]) -> tuple[dict, dict]:
         if n.is_scalar and n.op not in _PLAN_TIME_SCALAR_OPS:
             metas[n] = n.meta  # data-dependent: known per call only
             continue
+        if n.target is None:  # a custom op: its infer_meta gives the concrete metadata
+            from .ops import get_op, infer_node_meta
+            op = get_op(n.op)
+            if op is None:
+                raise NotImplementedError(f"%{n.id}: no custom op named {n.op} is registered")
+            m = infer_node_meta(op, [metas[x] for x in n.srcs], n.params)
+            metas[n] = dataclasses.replace(m, device=n.meta.device)
+            vals[n] = _meta_tensor(m)
+            continue
         a, kw = call_args(n, val, val)
         try:
             out = n.target(*a, **kw)
@@ -243,22 +299,39 @@ class Plan:
 
     def __init__(self, graph: Graph, options: Options, metas: dict, scalars: dict,
                  name: str = "graph") -> None:
-        self.graph = graph
+        self.source_graph = graph
         self.options = options
-        self.metas = metas
-        self.scalars = scalars
+        self.graph, self.metas, self.scalars = instantiate(graph, metas, scalars)
         self.name = name
         self.generation = registry.generation()
         self.step_counts: Counter = Counter()
         self.copies = 0
+        self.cancel_token = CancelToken()
+        self.fusion_report = FusionReport()
+        if options.eval_callback is not None:
+            self.fusion_report.disabled = "a per-node evaluation callback is set"
+        elif not options.fusion:
+            self.fusion_report.disabled = "fusion is off (FXB_DISABLE_FUSION or options)"
+        else:
+            apply_fusions(self.graph, lambda n: self._device_of(n).type, self.fusion_report)
+            for n in self.graph.nodes:
+                if n.op.startswith("fused."):
+                    self.metas[n] = n.meta
+            for rule_name, _ in self.fusion_report.fired:
+                stats.bump("fusion:" + rule_name)
+        if options.dump:
+            print(f"[fxbackend] {name} after fusion:\n{self.graph.format()}\n"
+                  f"{self.fusion_report.format()}", file=sys.stderr)
         self.kernels = self._select_kernels()
-        self.memory: MemoryPlan = plan_memory(graph, metas=lambda n: metas[n],
-                                              skip_key=self._unread_outputs().__contains__)
-        self.arenas = {dev: torch.empty(nbytes, dtype=torch.uint8, device=dev)
-                       for dev, nbytes in self.memory.arena_bytes.items()}
+        self._compile_nodes()
         self.workspace_bytes = 0
         self.workspace = None
         self._states: list = []
+        self._prepared = self._prepare_steps()
+        self.memory: MemoryPlan = plan_memory(self.graph, metas=lambda n: self.metas[n],
+                                              skip_key=self._unread_outputs().__contains__)
+        self.arenas = {dev: torch.empty(nbytes, dtype=torch.uint8, device=dev)
+                       for dev, nbytes in self.memory.arena_bytes.items()}
         self._build()
         self._stats_key = stats.register_plan_counts({"steps": self.step_counts,
                                                       "copies": self.copies})
@@ -282,11 +355,31 @@ class Plan:
     def _select_kernels(self) -> dict:
         kernels = {}
         for n in self._compute_nodes():
-            if self.options.force_native or n.view_of is not None or n.inplace_of is not None:
+            if n.op.startswith("fused."):
+                kernels[n] = n.annotations["rule"]
+            elif n.view_of is not None or n.inplace_of is not None:
                 kernels[n] = registry.NATIVE  # views and in-place writes are never intercepted
+            elif self.options.force_native and registry.NATIVE.supports(n):
+                kernels[n] = registry.NATIVE
             else:
                 kernels[n] = registry.select_kernel(self._device_of(n).type, n)
         return kernels
+
+    def _compile_nodes(self) -> None:
+        """The ``compile`` capability: ahead-of-time work per node, at plan time, in parallel
+        across nodes (ops and kernels sharing state must make it thread-safe)."""
+        from .ops import get_op
+        jobs = []
+        for n, k in self.kernels.items():
+            for owner in (get_op(n.op), k if k is not registry.NATIVE else None):
+                fn = getattr(owner, "compile", None)
+                if callable(fn):
+                    jobs.append((fn, n))
+        if len(jobs) == 1:
+            jobs[0][0](jobs[0][1])
+        elif jobs:
+            from .services import cpu_parallel
+            cpu_parallel(lambda i: jobs[i][0](jobs[i][1]), len(jobs))
 
     def _unread_outputs(self) -> set:
         """Outputs of multi-output native ops without an ``.out`` overload that nobody reads:
@@ -372,115 +465,135 @@ class Plan:
                 return const(t), t
             return None, None  # an output nobody reads and nobody returns
 
-        for n in g.nodes:
-            if n.is_input:
-                continue
-            if n.op == "constant":
-                plan_time[n] = n.annotations["value"]
-                expr[n] = const(plan_time[n])
-                continue
-            if n.op in SYM_OPS or (n.is_scalar and n in self.scalars):
-                plan_time[n] = self.scalars[n]
-                expr[n] = const(plan_time[n])
-                continue
-            if n.op == "getitem":
-                parent = n.srcs[0]
-                idx = n.params["index"]
-                if parent in plan_time:
-                    plan_time[n] = plan_time[parent][idx]
+        def emit(n: Node) -> None:
+                if n.is_input:
+                    return
+                if n.op == "constant":
+                    plan_time[n] = n.annotations["value"]
                     expr[n] = const(plan_time[n])
-                elif isinstance(expr[parent], tuple):
-                    expr[n] = expr[parent][idx]
-                else:
-                    lines.append(f"v{n.id} = {expr[parent].src}[{idx}]")
+                    return
+                if n.op in SYM_OPS or (n.is_scalar and n in self.scalars):
+                    plan_time[n] = self.scalars[n]
+                    expr[n] = const(plan_time[n])
+                    return
+                if n.op == "getitem":
+                    parent = n.srcs[0]
+                    idx = n.params["index"]
+                    if parent in plan_time:
+                        plan_time[n] = plan_time[parent][idx]
+                        expr[n] = const(plan_time[n])
+                    elif isinstance(expr[parent], tuple):
+                        expr[n] = expr[parent][idx]
+                    else:
+                        lines.append(f"v{n.id} = {expr[parent].src}[{idx}]")
+                        expr[n] = _Code(f"v{n.id}")
+                    return
+                kernel = self.kernels[n]
+                if n.view_of is not None:
+                    a, kw = call_args(n, src_of, value_of)
+                    deps_plan_time = all(s in plan_time for s in n.srcs)
+                    if deps_plan_time and kernel is registry.NATIVE:
+                        # a view of planned storage never changes: take it once, here
+                        a2, kw2 = call_args(n, lambda s: plan_time[s],
+                                            lambda v: plan_time[v] if isinstance(v, Node) else v)
+                        plan_time[n] = n.target(*a2, **kw2)
+                        expr[n] = const(plan_time[n])
+                        return
+                    fn = const(n.target._op if hasattr(n.target, "_op") else n.target)
+                    lines.append(f"v{n.id} = {fn.src}({self._args_src(a, kw)})")
                     expr[n] = _Code(f"v{n.id}")
-                continue
-            kernel = self.kernels[n]
-            if n.view_of is not None:
-                a, kw = call_args(n, src_of, value_of)
-                deps_plan_time = all(s in plan_time for s in n.srcs)
-                if deps_plan_time and kernel is registry.NATIVE:
-                    # a view of planned storage never changes: take it once, here
-                    a2, kw2 = call_args(n, lambda s: plan_time[s],
-                                        lambda v: plan_time[v] if isinstance(v, Node) else v)
-                    plan_time[n] = n.target(*a2, **kw2)
-                    expr[n] = const(plan_time[n])
-                    continue
-                fn = const(n.target._op if hasattr(n.target, "_op") else n.target)
-                lines.append(f"v{n.id} = {fn.src}({self._args_src(a, kw)})")
-                expr[n] = _Code(f"v{n.id}")
-                self.step_counts[kernel.name] += 1
-                continue
-            if n.inplace_of is not None:
-                a, kw = call_args(n, src_of, value_of)
-                fn = const(n.target._op if hasattr(n.target, "_op") else n.target)
-                lines.append(f"{fn.src}({self._args_src(a, kw)})")
-                expr[n] = expr[n.inplace_of] if n.inplace_of not in plan_time \
-                    else const(plan_time[n.inplace_of])
-                self.step_counts[kernel.name] += 1
-                continue
-            if n.is_scalar or n.meta is None:
-                a, kw = call_args(n, src_of, value_of)
-                fn = const(n.target._op if hasattr(n.target, "_op") else n.target)
-                lines.append(f"v{n.id} = {fn.src}({self._args_src(a, kw)})")
-                expr[n] = _Code(f"v{n.id}")
-                self.step_counts[kernel.name] += 1
-                continue
-            # a compute node that owns fresh storage
-            multi = isinstance(self.metas[n], tuple)
-            if (not multi and kernel is registry.NATIVE and (n.id, None) in per_call
-                    and n.op != "aten._to_copy.default"
-                    and not (isinstance(n.target, torch._ops.OpOverload) and out_overload(n.target))):
-                # returned to the caller and computed fresh anyway: hand that result over
-                a, kw = call_args(n, src_of, value_of)
-                fn = const(n.target._op if hasattr(n.target, "_op") else n.target)
-                lines.append(f"v{n.id} = {fn.src}({self._args_src(a, kw)})")
-                expr[n] = _Code(f"v{n.id}")
-                self.step_counts[kernel.name] += 1
-                continue
-            if multi:
-                outs = [storage(n, i) if isinstance(m, TensorMeta) else (None, None)
-                        for i, m in enumerate(self.metas[n])]
-            else:
-                outs = [storage(n, None)]
-            codes = [c for c, _ in outs]
-            if all(t is not None for _, t in outs):
-                plan_time[n] = tuple(t for _, t in outs) if multi else outs[0][1]
-            expr[n] = tuple(codes) if multi else codes[0]
-            a, kw = call_args(n, src_of, value_of)
-            self.step_counts[kernel.name] += 1
-            if kernel is not registry.NATIVE:
-                lines.append(self._extension_call(n, kernel, [src_of(s) for s in n.srcs],
-                                                  codes, const))
-                continue
-            ov = out_overload(n.target) if isinstance(n.target, torch._ops.OpOverload) else None
-            if n.op == "aten._to_copy.default" and codes[0] is not None:
-                # a conversion into planned storage is exactly copy_ (dtype, device, layout)
-                lines.append(f"{codes[0].src}.copy_({_render(a[0])})")
-            elif ov is not None and all(c is not None for c in codes):
-                fast = _FAST_OUT.get(n.op) if not kw or n.op == "aten.gelu.default" else None
-                if isinstance(fast, tuple):  # (binding, extra positional arguments)
-                    fast, extra = fast
-                    a = list(a) + [const(x) for x in extra]
-                fn = const(fast or ov[0]._op)
-                outkw = ", ".join(f"{name}={c.src}" for name, c in zip(ov[1], codes))
-                args_src = self._args_src(a, kw)
-                lines.append(f"{fn.src}({args_src}{', ' if args_src else ''}{outkw})")
-            else:
-                fn = const(n.target._op if hasattr(n.target, "_op") else n.target)
-                call = f"{fn.src}({self._args_src(a, kw)})"
+                    self.step_counts[kernel.name] += 1
+                    return
+                if n.op.startswith("fused.") and n.inplace_of is not None:
+                    # a terminal copy: the fused kernel writes the copy's destination
+                    dest = src_of(n.inplace_of)
+                    lines.append(self._extension_call(n, kernel, [src_of(s) for s in n.srcs],
+                                                      [dest], const))
+                    expr[n] = dest
+                    self.step_counts[kernel.name] += 1
+                    return
+                if n.inplace_of is not None:
+                    a, kw = call_args(n, src_of, value_of)
+                    fn = const(n.target._op if hasattr(n.target, "_op") else n.target)
+                    lines.append(f"{fn.src}({self._args_src(a, kw)})")
+                    expr[n] = expr[n.inplace_of] if n.inplace_of not in plan_time \
+                        else const(plan_time[n.inplace_of])
+                    self.step_counts[kernel.name] += 1
+                    return
+                if n.is_scalar or n.meta is None:
+                    a, kw = call_args(n, src_of, value_of)
+                    fn = const(n.target._op if hasattr(n.target, "_op") else n.target)
+                    lines.append(f"v{n.id} = {fn.src}({self._args_src(a, kw)})")
+                    expr[n] = _Code(f"v{n.id}")
+                    self.step_counts[kernel.name] += 1
+                    return
+                # a compute node that owns fresh storage
+                multi = isinstance(self.metas[n], tuple)
+                if (not multi and kernel is registry.NATIVE and (n.id, None) in per_call
+                        and n.target is not None and n.op != "aten._to_copy.default"
+                        and not (isinstance(n.target, torch._ops.OpOverload) and out_overload(n.target))):
+                    # returned to the caller and computed fresh anyway: hand that result over
+                    a, kw = call_args(n, src_of, value_of)
+                    fn = const(n.target._op if hasattr(n.target, "_op") else n.target)
+                    lines.append(f"v{n.id} = {fn.src}({self._args_src(a, kw)})")
+                    expr[n] = _Code(f"v{n.id}")
+                    self.step_counts[kernel.name] += 1
+                    return
                 if multi:
-                    lines.append(f"_r = {call}")
-                    for i, c in enumerate(codes):
-                        if c is not None:
-                            lines.append(f"{c.src}.copy_(_r[{i}])")
-                            self.copies += 1
-                elif codes[0] is not None:
-                    lines.append(f"{codes[0].src}.copy_({call})")
-                    self.copies += 1
+                    outs = [storage(n, i) if isinstance(m, TensorMeta) else (None, None)
+                            for i, m in enumerate(self.metas[n])]
                 else:
-                    lines.append(call)
+                    outs = [storage(n, None)]
+                codes = [c for c, _ in outs]
+                if all(t is not None for _, t in outs):
+                    plan_time[n] = tuple(t for _, t in outs) if multi else outs[0][1]
+                expr[n] = tuple(codes) if multi else codes[0]
+                self.step_counts[kernel.name] += 1
+                if kernel is not registry.NATIVE or n.target is None:
+                    if kernel is registry.NATIVE:  # a custom op's reference execute
+                        from .ops import get_op
+                        kernel = get_op(n.op)
+                    lines.append(self._extension_call(n, kernel, [src_of(s) for s in n.srcs],
+                                                      codes, const))
+                    return
+                a, kw = call_args(n, src_of, value_of)
+                ov = out_overload(n.target) if isinstance(n.target, torch._ops.OpOverload) else None
+                if n.op == "aten._to_copy.default" and codes[0] is not None:
+                    # a conversion into planned storage is exactly copy_ (dtype, device, layout)
+                    lines.append(f"{codes[0].src}.copy_({_render(a[0])})")
+                elif ov is not None and all(c is not None for c in codes):
+                    fast = _FAST_OUT.get(n.op) if not kw or n.op == "aten.gelu.default" else None
+                    if isinstance(fast, tuple):  # (binding, extra positional arguments)
+                        fast, extra = fast
+                        a = list(a) + [const(x) for x in extra]
+                    fn = const(fast or ov[0]._op)
+                    outkw = ", ".join(f"{name}={c.src}" for name, c in zip(ov[1], codes))
+                    args_src = self._args_src(a, kw)
+                    lines.append(f"{fn.src}({args_src}{', ' if args_src else ''}{outkw})")
+                else:
+                    fn = const(n.target._op if hasattr(n.target, "_op") else n.target)
+                    call = f"{fn.src}({self._args_src(a, kw)})"
+                    if multi:
+                        lines.append(f"_r = {call}")
+                        for i, c in enumerate(codes):
+                            if c is not None:
+                                lines.append(f"{c.src}.copy_(_r[{i}])")
+                                self.copies += 1
+                    elif codes[0] is not None:
+                        lines.append(f"{codes[0].src}.copy_({call})")
+                        self.copies += 1
+                    else:
+                        lines.append(call)
+        callback = self.options.eval_callback
+        for n in g.nodes:
+            emit(n)
+            if callback is not None and not n.is_input and n in expr:
+                lines.append(f"_cb({const(n).src}, {_render(expr[n])})")
+        if callback is not None:
+            ns["_cb"] = callback
+
         outs = []
+        self._lines = lines
         for o in g.outputs:
             if isinstance(o, Node):
                 outs.append(const(plan_time[o]).src if o in plan_time else _render(expr[o]))
@@ -521,11 +634,27 @@ class Plan:
         parts += [f"{k}={_render(v)}" for k, v in kw.items()]
         return ", ".join(parts)
 
+    def _prepare_steps(self) -> dict:
+        """``prepare(node) -> (state, workspace_bytes)`` of every extension step, before any
+        storage exists (metadata only).  The workspace is the largest request, not the sum."""
+        from .ops import get_op
+        prepared = {}
+        for n, k in self.kernels.items():
+            owner = get_op(n.op) if k is registry.NATIVE and n.target is None else k
+            if owner is registry.NATIVE or owner is None:
+                continue
+            prepare = getattr(owner, "prepare", None)
+            state, ws = prepare(n) if prepare is not None else (None, 0)
+            if not isinstance(ws, int) or ws < 0:
+                raise ValueError(f"{getattr(owner, 'name', owner)}.prepare(%{n.id}) returned "
+                                 f"workspace_bytes={ws!r}; expected an int >= 0")
+            self._states.append((owner, state))
+            self.workspace_bytes = max(self.workspace_bytes, ws)
+            prepared[n] = state
+        return prepared
+
     def _extension_call(self, n: Node, kernel: Any, srcs: list, codes: list, const) -> str:
-        prepare = getattr(kernel, "prepare", None)
-        state, ws = prepare(n) if prepare is not None else (None, 0)
-        self._states.append((kernel, state))
-        self.workspace_bytes = max(self.workspace_bytes, int(ws))
+        state = self._prepared.get(n)
         ctx = ExecContext(self._device_of(n))
         srcs = "[" + ", ".join(_render(c) for c in srcs) + "]"
         out = codes[0].src if len(codes) == 1 else "(" + ", ".join(c.src for c in codes) + ",)"
@@ -536,7 +665,27 @@ class Plan:
     def run(self, args: list) -> list:
         """Execute without validating inputs; returns the list of outputs."""
         stats.record_plan_call(self._stats_key)
-        return self._run(args)
+        if not self._prepared:
+            return self._run(args)
+        self.cancel_token.clear()
+        with running(self.cancel_token):
+            return self._run(args)
+
+    def cancel(self) -> None:
+        """Cancel the running call (from any thread): services such as ``cpu_parallel`` stop
+        early with :class:`fxbackend.services.Cancelled`."""
+        self.cancel_token.cancel()
+
+    def report(self) -> str:
+        """The node list with the kernel chosen for each step, then what fusion did."""
+        lines = [f"plan {self.name}: {self.memory.summary()}, workspace "
+                 f"{self.workspace_bytes / 2**20:.2f} MB"]
+        from .ir import format_node
+        for n in self.graph.nodes:
+            k = self.kernels.get(n)
+            lines.append(format_node(n) + (f"  [{k.name}]" if k is not None else ""))
+        lines.append(self.fusion_report.format())
+        return "\n".join(lines)
 
     def __call__(self, *args: Any) -> list:
         """Validate ``args`` against this plan's signature, then execute."""

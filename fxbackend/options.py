@@ -30,6 +30,8 @@ class Options:
       None: decide per plan.
     - ``cuda_graphs``: capture each CUDA plan into one CUDA graph (``FXB_CUDA_GRAPHS=1``).
     - ``validate_inputs``: check shapes and dtypes of every call, also behind Dynamo's guards.
+    - ``eval_callback``: ``fn(node, value)`` called after every step (a profiling or debugging
+      hook that must see every node: it turns fusion off).
     """
 
     fusion: bool = True
@@ -38,6 +40,7 @@ class Options:
     streams: bool | None = None
     cuda_graphs: bool = False
     validate_inputs: bool = False
+    eval_callback: Any = None
 
 
 def parse_options(options: Mapping[str, Any] | None = None) -> Options:
@@ -60,7 +63,11 @@ def parse_options(options: Mapping[str, Any] | None = None) -> Options:
         if key not in fields:
             raise ValueError(f"unknown fxbackend option {key!r}; valid options are: "
                              f"{', '.join(sorted(fields))}")
-        if key == "streams":
+        if key == "eval_callback":
+            if v is not None and not callable(v):
+                raise ValueError(f"fxbackend option 'eval_callback' must be callable(node, "
+                                 f"value), got {v!r}")
+        elif key == "streams":
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"fxbackend option 'streams' must be True, False or None, "
                                  f"got {v!r}")

@@ -24,7 +24,7 @@ from typing import Any
 from .ir import Node
 
 __all__ = ["register_kernel", "unregister_kernel", "select_kernel", "kernels_for",
-           "NativeKernel", "NATIVE", "generation"]
+           "supports_op", "supports_native_op", "NativeKernel", "NATIVE", "generation"]
 
 _lock = threading.RLock()
 _kernels: dict[str, dict[str, list[Any]]] = defaultdict(lambda: defaultdict(list))
@@ -70,13 +70,52 @@ def kernels_for(device: str, op: str) -> list[Any]:
     return list(_kernels.get(device, {}).get(op, ()))
 
 
+_local = threading.local()
+
+
+class _Guard:
+    """Catches a ``supports``/``preferred`` callback that asks about the same device and op
+    again (directly or not): a clear error instead of unbounded recursion."""
+
+    def __init__(self, device: str, op: str) -> None:
+        self.key = (device, op)
+
+    def __enter__(self):
+        active = _local.__dict__.setdefault("active", set())
+        if self.key in active:
+            raise RuntimeError(f"supports_op({self.key[0]!r}, {self.key[1]}) was called "
+                               f"recursively from a kernel callback for the same device and op; "
+                               f"a supports/preferred callback must not ask about its own op")
+        active.add(self.key)
+
+    def __exit__(self, *exc):
+        _local.active.discard(self.key)
+
+
+def _supporting(device: str, node: Node) -> list[Any]:
+    with _Guard(device, node.op):
+        return [k for k in kernels_for(device, node.op) if k.supports(node)]
+
+
+def supports_op(device: str, node: Node) -> bool:
+    """Whether some kernel on ``device`` runs ``node`` alone: a single-node extension kernel or
+    the native kernel.  (Fusion rules do not count: they claim node ranges.)"""
+    return bool(_supporting(device, node)) or supports_native_op(device, node)
+
+
+def supports_native_op(device: str, node: Node) -> bool:
+    """Whether the native kernel runs ``node`` on ``device``, ignoring extensions."""
+    return NATIVE.supports(node)
+
+
 def select_kernel(device: str, node: Node) -> Any:
     """The kernel that runs ``node`` on device type ``device`` (see the module docstring)."""
-    candidates = [k for k in kernels_for(device, node.op) if k.supports(node)]
-    for k in candidates:
-        pref = getattr(k, "preferred", None)
-        if pref is None or pref(node):
-            return k
+    candidates = _supporting(device, node)
+    with _Guard(device, node.op):
+        for k in candidates:
+            pref = getattr(k, "preferred", None)
+            if pref is None or pref(node):
+                return k
     if NATIVE.supports(node):
         return NATIVE
     if candidates:
@@ -85,7 +124,8 @@ def select_kernel(device: str, node: Node) -> Any:
 
 
 class NativeKernel:
-    """The ATen implementation of any op with a callable target.
+    """The ATen implementation of any op with a callable target, or the reference
+    ``execute`` of a custom op that has one.
 
     It writes into the node's preassigned storage through the op's ``.out`` overload when one
     exists; otherwise it computes a fresh result and copies it in (a counted copy).  The executor
@@ -97,7 +137,11 @@ class NativeKernel:
     priority = -(10 ** 9)
 
     def supports(self, node: Node) -> bool:
-        return node.target is not None
+        if node.target is not None:
+            return True
+        from .ops import get_op
+        op = get_op(node.op)
+        return op is not None and callable(getattr(op, "execute", None))
 
     def execute(self, ctx, node, state, inputs, out, workspace):  # pragma: no cover - bound in codegen
         raise RuntimeError("the native kernel is bound by the executor, not called generically")

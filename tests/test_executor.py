@@ -145,8 +145,8 @@ def test_unknown_option_lists_valid_options():
         fn(torch.randn(2))
     msg = str(info.value)
     assert "unknown fxbackend option 'bogus'" in msg
-    assert "valid options are: cuda_graphs, dump, force_native, fusion, streams, " \
-           "validate_inputs" in msg
+    assert "valid options are: cuda_graphs, dump, eval_callback, force_native, fusion, " \
+           "streams, validate_inputs" in msg
 
 
 def test_bad_option_value():

@@ -1,0 +1,55 @@
+"""Loading extensions that live outside the package.
+
+Extensions register ops, kernels and fusion rules when imported.  They come from the
+entry-point group ``fxbackend.extensions`` (an entry point naming a module is imported; one
+naming a callable is called with no arguments) and from ``FXB_EXTENSIONS=module,module``.
+A failing import is an ImportError naming the extension.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import os
+import threading
+
+__all__ = ["load_extensions", "loaded_extensions"]
+
+_lock = threading.Lock()
+_loaded: list[str] = []
+
+
+def loaded_extensions() -> list[str]:
+    """Names of the extensions loaded so far, in load order."""
+    return list(_loaded)
+
+
+def load_extensions() -> list[str]:
+    """Load every extension not loaded yet (entry points, then ``FXB_EXTENSIONS``); returns the
+    names loaded by this call.  Called by the backend before it compiles a graph."""
+    new: list[str] = []
+    with _lock:
+        for ep in importlib.metadata.entry_points(group="fxbackend.extensions"):
+            key = f"entry point {ep.name} ({ep.value})"
+            if key in _loaded:
+                continue
+            try:
+                obj = ep.load()
+                if callable(obj):
+                    obj()
+            except Exception as e:
+                raise ImportError(f"fxbackend extension {key} failed to load: "
+                                  f"{type(e).__name__}: {e}") from e
+            _loaded.append(key)
+            new.append(key)
+        for mod in os.environ.get("FXB_EXTENSIONS", "").split(","):
+            mod = mod.strip()
+            if not mod or mod in _loaded:
+                continue
+            try:
+                importlib.import_module(mod)
+            except Exception as e:
+                raise ImportError(f"fxbackend extension {mod!r} (from FXB_EXTENSIONS) failed to "
+                                  f"import: {type(e).__name__}: {e}") from e
+            _loaded.append(mod)
+            new.append(mod)
+    return new
