@@ -31,6 +31,18 @@ from .services import CancelToken, running
 
 __all__ = ["CompiledGraph", "Plan", "ExecContext", "concretize", "instantiate"]
 
+#: the op of copies the scheduler inserts to run a node on another device
+_COPY_OP = "fxb.copy_device.v1"
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 _PLAN_TIME_SCALAR_OPS = {"aten.sym_size.int", "aten.sym_stride.int", "aten.sym_numel.default",
                          "aten.sym_storage_offset.default"}
 
@@ -353,7 +365,8 @@ class Plan:
             yield n
 
     def _select_kernels(self) -> dict:
-        kernels = {}
+        kernels: dict = {}
+        placed: list[Node] = []
         for n in self._compute_nodes():
             if n.op.startswith("fused."):
                 kernels[n] = n.annotations["rule"]
@@ -362,8 +375,54 @@ class Plan:
             elif self.options.force_native and registry.NATIVE.supports(n):
                 kernels[n] = registry.NATIVE
             else:
-                kernels[n] = registry.select_kernel(self._device_of(n).type, n)
+                dev = self._kernel_device(n)
+                try:
+                    kernels[n] = registry.select_kernel(dev, n)
+                except NotImplementedError:
+                    if dev == "cpu":
+                        raise
+                    # no kernel on the plan's device: run the node on the CPU
+                    kernels[n] = registry.select_kernel("cpu", n)
+                    placed.append(n)
+        for n in placed:
+            self._place_on_cpu(n, kernels)
         return kernels
+
+    def _kernel_device(self, n: Node) -> str:
+        """The device type whose kernels may run ``n`` (``options.device_type`` renames the
+        CPU, so that tests can exercise placement with a device backed by CPU tensors)."""
+        t = self._device_of(n).type
+        if t == "cpu" and self.options.device_type and not n.annotations.get("placed"):
+            return self.options.device_type
+        return t
+
+    def _place_on_cpu(self, n: Node, kernels: dict) -> None:
+        """Run ``n`` on the CPU: copy its tensor inputs there and its result back, as nodes
+        of their own (planned like any other, counted in ``stats()["copies"]``)."""
+        g = self.graph
+        cpu = torch.device("cpu")
+        home = self.metas[n].device
+        n.annotations["placed"] = "cpu"
+        new_srcs = []
+        for s in n.srcs:
+            m = self.metas[s]
+            c = g.new_node(_COPY_OP, [s], {"device": "cpu"},
+                           TensorMeta(m.shape, _contiguous_strides(m.shape), m.dtype, cpu))
+            g.insert(g.nodes.index(n), c)
+            self.metas[c] = c.meta
+            kernels[c] = registry.NATIVE
+            new_srcs.append(c)
+        n.srcs = new_srcs
+        m = self.metas[n]
+        n.meta = self.metas[n] = dataclasses.replace(m, device=cpu)
+        back = g.new_node(_COPY_OP, [n], {"device": str(home)},
+                          dataclasses.replace(m, device=home), is_output=n.is_output)
+        n.is_output = False
+        g.insert(g.nodes.index(n) + 1, back)
+        self.metas[back] = back.meta
+        kernels[back] = registry.NATIVE
+        from .fusion import _replace_uses
+        _replace_uses(g, n, back, g.nodes.index(back) + 1)
 
     def _compile_nodes(self) -> None:
         """The ``compile`` capability: ahead-of-time work per node, at plan time, in parallel
@@ -549,6 +608,11 @@ class Plan:
                     plan_time[n] = tuple(t for _, t in outs) if multi else outs[0][1]
                 expr[n] = tuple(codes) if multi else codes[0]
                 self.step_counts[kernel.name] += 1
+                if n.op == _COPY_OP:  # a copy the scheduler inserted for placement
+                    if codes[0] is not None:
+                        lines.append(f"{codes[0].src}.copy_({_render(src_of(n.srcs[0]))})")
+                        self.copies += 1
+                    return
                 if kernel is not registry.NATIVE or n.target is None:
                     if kernel is registry.NATIVE:  # a custom op's reference execute
                         from .ops import get_op

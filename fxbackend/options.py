@@ -30,6 +30,8 @@ class Options:
       None: decide per plan.
     - ``cuda_graphs``: capture each CUDA plan into one CUDA graph (``FXB_CUDA_GRAPHS=1``).
     - ``validate_inputs``: check shapes and dtypes of every call, also behind Dynamo's guards.
+    - ``device_type``: select kernels for CPU tensors as if they lived on a device of this type
+      (a test-only device backed by CPU tensors, to exercise placement without a GPU).
     - ``eval_callback``: ``fn(node, value)`` called after every step (a profiling or debugging
       hook that must see every node: it turns fusion off).
     """
@@ -41,6 +43,7 @@ class Options:
     cuda_graphs: bool = False
     validate_inputs: bool = False
     eval_callback: Any = None
+    device_type: str | None = None
 
 
 def parse_options(options: Mapping[str, Any] | None = None) -> Options:
@@ -63,7 +66,10 @@ def parse_options(options: Mapping[str, Any] | None = None) -> Options:
         if key not in fields:
             raise ValueError(f"unknown fxbackend option {key!r}; valid options are: "
                              f"{', '.join(sorted(fields))}")
-        if key == "eval_callback":
+        if key == "device_type":
+            if v is not None and not isinstance(v, str):
+                raise ValueError(f"fxbackend option 'device_type' must be a str, got {v!r}")
+        elif key == "eval_callback":
             if v is not None and not callable(v):
                 raise ValueError(f"fxbackend option 'eval_callback' must be callable(node, "
                                  f"value), got {v!r}")
