@@ -664,11 +664,10 @@ class Plan:
             else:
                 outs.append(const(o).src)
         lines.append("return [" + ", ".join(outs) + "]")
-        ns["_ws"] = None
-        if self.workspace_bytes:
-            dev = next(iter(self.arenas), "cpu")
-            ns["_ws"] = self.workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8,
-                                                     device=dev)
+        # one workspace tensor per plan (empty when no step asks for scratch)
+        dev = next(iter(self.arenas), None) or self._plan_device()
+        ns["_ws"] = self.workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8,
+                                                 device=dev)
         # constants become closure cells of the step function: cheaper to load than globals
         names = [k for k in ns if not k.startswith("__") and k != "_keep"]
         self.source = ("def _make(" + ", ".join(names) + "):\n"
@@ -679,6 +678,13 @@ class Plan:
         exec(code, scope)
         self._run = scope["_make"](*[ns[k] for k in names])
         self._ns = ns
+
+    def _plan_device(self) -> torch.device:
+        for n in self.graph.nodes:
+            m = self.metas.get(n)
+            if isinstance(m, TensorMeta):
+                return m.device
+        return torch.device("cpu")
 
     def _device_of(self, n: Node) -> torch.device:
         m = self.metas.get(n)
@@ -743,7 +749,7 @@ class Plan:
     def report(self) -> str:
         """The node list with the kernel chosen for each step, then what fusion did."""
         lines = [f"plan {self.name}: {self.memory.summary()}, workspace "
-                 f"{self.workspace_bytes / 2**20:.2f} MB"]
+                 f"{self.workspace_bytes / 2**20:.2f} MB ({self.workspace_bytes} bytes)"]
         from .ir import format_node
         for n in self.graph.nodes:
             k = self.kernels.get(n)
@@ -778,6 +784,9 @@ class Plan:
         return self.run(list(args))
 
     def __del__(self) -> None:
+        key = getattr(self, "_stats_key", None)
+        if key is not None:
+            stats.release_plan(key)
         for kernel, state in getattr(self, "_states", ()):
             destroy = getattr(kernel, "destroy", None)
             if destroy is not None:
@@ -828,7 +837,7 @@ class CompiledGraph:
         plan = self.plans.get(key)
         if plan is None or plan.generation != registry.generation():
             metas, scalars = concretize(self.graph, args)
-            if self.plans:
+            if plan is None and self.plans:  # a new signature (not a registry rebuild)
                 stats.bump("replans")
             plan = self.plans[key] = Plan(self.graph, self.options, metas, scalars,
                                           f"{self.name}[{len(self.plans)}]")

@@ -14,8 +14,9 @@ import threading
 
 __all__ = ["load_extensions", "loaded_extensions"]
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _loaded: list[str] = []
+_loading: set[str] = set()  # being imported now: an extension that loads extensions skips them
 
 
 def loaded_extensions() -> list[str]:
@@ -30,8 +31,9 @@ def load_extensions() -> list[str]:
     with _lock:
         for ep in importlib.metadata.entry_points(group="fxbackend.extensions"):
             key = f"entry point {ep.name} ({ep.value})"
-            if key in _loaded:
+            if key in _loaded or key in _loading:
                 continue
+            _loading.add(key)
             try:
                 obj = ep.load()
                 if callable(obj):
@@ -39,17 +41,22 @@ def load_extensions() -> list[str]:
             except Exception as e:
                 raise ImportError(f"fxbackend extension {key} failed to load: "
                                   f"{type(e).__name__}: {e}") from e
+            finally:
+                _loading.discard(key)
             _loaded.append(key)
             new.append(key)
         for mod in os.environ.get("FXB_EXTENSIONS", "").split(","):
             mod = mod.strip()
-            if not mod or mod in _loaded:
+            if not mod or mod in _loaded or mod in _loading:
                 continue
+            _loading.add(mod)
             try:
                 importlib.import_module(mod)
             except Exception as e:
                 raise ImportError(f"fxbackend extension {mod!r} (from FXB_EXTENSIONS) failed to "
                                   f"import: {type(e).__name__}: {e}") from e
+            finally:
+                _loading.discard(mod)
             _loaded.append(mod)
             new.append(mod)
     return new

@@ -128,8 +128,11 @@ def check_claim(graph: Graph, i: int, n: int, users: dict | None = None) -> str 
         return f"final node %{last.id} ({last.op}) does not have one tensor output"
     owner, _ = storage_root(last)
     if owner is not last:
-        terminal_copy = last.op == "aten.copy_.default" and last.inplace_of is not None
-        if not terminal_copy:
+        if last.op == "aten.copy_.default" and last.inplace_of is not None:
+            if owner in inside:
+                return (f"terminal copy %{last.id} writes storage of %{owner.id} inside the "
+                        f"match")
+        else:
             return f"final node %{last.id} ({last.op}) does not own its storage"
     return None
 
@@ -142,7 +145,11 @@ def _side_effects_unknown(m: Node) -> bool:
     if m.op.startswith("py."):
         return True
     schema = getattr(m.target, "_schema", None)
-    return bool(schema is not None and schema.is_mutable and m.inplace_of is None)
+    if schema is None or not schema.is_mutable:
+        return False
+    written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    # known: exactly one written argument, recorded as inplace_of
+    return m.inplace_of is None or len(written) != 1
 
 
 def graph_delay(graph: Graph, start: int, end: int, after: int | Node) -> bool:

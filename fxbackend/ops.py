@@ -132,7 +132,8 @@ def infer_node_meta(op: Any, srcs: Sequence[TensorMeta], attrs: dict) -> TensorM
     if not isinstance(meta.dtype, torch.dtype):
         raise TypeError(f"{op.name}.infer_meta returned dtype {meta.dtype!r}; expected a "
                         f"torch.dtype")
-    if not _is_contiguous(meta.shape, meta.stride) or meta.storage_offset != 0:
+    if (len(meta.stride) != len(meta.shape) or not _is_contiguous(meta.shape, meta.stride)
+            or meta.storage_offset != 0):
         raise ValueError(f"{op.name}.infer_meta returned {meta.short()}: a custom op has one "
                          f"contiguous output (use contiguous strides, storage offset 0)")
     return meta

@@ -33,7 +33,8 @@ class Options:
     - ``device_type``: select kernels for CPU tensors as if they lived on a device of this type
       (a test-only device backed by CPU tensors, to exercise placement without a GPU).
     - ``eval_callback``: ``fn(node, value)`` called after every step (a profiling or debugging
-      hook that must see every node: it turns fusion off).
+      hook that must see every node: it turns fusion off).  ``value`` may be a view of arena
+      storage that later steps reuse: valid during the callback only (clone to keep it).
     """
 
     fusion: bool = True

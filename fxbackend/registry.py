@@ -38,11 +38,15 @@ def generation() -> int:
 
 def _bump() -> None:
     global _generation
-    _generation += 1
+    with _lock:
+        _generation += 1
 
 
 def register_kernel(device: str, kernel: Any) -> Any:
-    """Register ``kernel`` for its ``kernel.op`` on device type ``device``; returns the kernel."""
+    """Register ``kernel`` (an instance, or a class: instantiated once) for its ``kernel.op`` on
+    device type ``device``; returns the registered instance."""
+    if isinstance(kernel, type):
+        kernel = kernel()
     for attr in ("name", "op", "supports", "execute"):
         if not hasattr(kernel, attr):
             raise TypeError(f"kernel {kernel!r} has no {attr!r}; a kernel needs name, op, "

@@ -43,6 +43,19 @@ def record_plan_call(key: int) -> None:
     _plan_calls[key] += 1
 
 
+def release_plan(key: int) -> None:
+    """A plan is dropped: fold what its calls executed into the totals and forget it."""
+    with _lock:
+        per = _plan_counts.pop(key, None)
+        n = _plan_calls.pop(key, 0)
+        if per is None or not n:
+            return
+        for name, c in per["steps"].items():
+            _counters["steps:" + name] += c * n
+        _counters["copies"] += per["copies"] * n
+        _counters["calls"] += n
+
+
 def reset_stats() -> None:
     """Zero every counter."""
     with _lock:
@@ -78,8 +91,11 @@ def stats() -> dict[str, Any]:
         for k, v in _counters.items():
             if k.startswith("fusion:"):
                 fusions[k[len("fusion:"):]] += v
-        out["calls"] = calls
+        for k, v in _counters.items():  # plans already dropped
+            if k.startswith("steps:"):
+                steps[k[len("steps:"):]] += v
+        out["calls"] = calls + _counters.get("calls", 0)
         out["steps_by_kernel"] = dict(steps)
-        out["copies"] = copies
+        out["copies"] = copies + _counters.get("copies", 0)
         out["fusions_by_rule"] = dict(fusions)
         return out
