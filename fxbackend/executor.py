@@ -627,6 +627,9 @@ class Plan:
                     lines.append(f"{codes[0].src}.copy_({_render(a[0])})")
                 elif ov is not None and all(c is not None for c in codes):
                     fast = _FAST_OUT.get(n.op) if not kw or n.op == "aten.gelu.default" else None
+                    if fast is not None:
+                        a, kw = call_args(n, src_of, value_of,
+                                          lambda v: self._scalar_operand(n, v, const))
                     if isinstance(fast, tuple):  # (binding, extra positional arguments)
                         fast, extra = fast
                         a = list(a) + [const(x) for x in extra]
@@ -678,6 +681,22 @@ class Plan:
         exec(code, scope)
         self._run = scope["_make"](*[ns[k] for k in names])
         self._ns = ns
+
+    def _scalar_operand(self, n: Node, v: Any, const) -> Any:
+        """A number passed to a Tensor argument of a float32/float64 op, as a 0-dim CPU tensor
+        of the op's dtype made once: ATen would wrap the number into a tensor on every call.
+
+        Exact: for these dtypes the op converts a wrapped number to its own dtype too, and a
+        0-dim CPU tensor takes the same scalar path.  Lower-precision dtypes keep the number
+        (their kernels compute with it in float32)."""
+        m = self.metas[n]
+        if type(v) not in (int, float) or not isinstance(m, TensorMeta):
+            return None
+        if m.dtype not in (torch.float32, torch.float64):
+            return None
+        if any(self.metas[s].dtype != m.dtype for s in n.srcs):
+            return None
+        return const(torch.tensor(v, dtype=m.dtype))
 
     def _plan_device(self) -> torch.device:
         for n in self.graph.nodes:

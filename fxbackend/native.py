@@ -38,9 +38,12 @@ def out_overload(op: torch._ops.OpOverload) -> tuple[Any, tuple[str, ...]] | Non
     return None
 
 
-def call_args(node: Node, src: Callable[[Node], Any],
-              value: Callable[[Any], Any]) -> tuple[list, dict]:
+def call_args(node: Node, src: Callable[[Node], Any], value: Callable[[Any], Any],
+              scalar_operand: Callable[[Any], Any] | None = None) -> tuple[list, dict]:
     """``(args, kwargs)`` that call ``node.target`` for ``node``.
+
+    ``scalar_operand(v)``, when given, maps a plain number passed to a Tensor-typed argument
+    (ATen wraps it into a tensor at every call); None from it keeps ``value(v)``.
 
     ``src(n)`` maps a tensor input to what the call gets; ``value(v)`` maps each param leaf
     (a plain value or a scalar node).
@@ -68,7 +71,11 @@ def call_args(node: Node, src: Callable[[Node], Any],
             else:
                 v = src(next(srcs)) if spec else None
         elif arg.name in node.params:
-            v = _map_leaves(node.params[arg.name], value)
+            v = None
+            if scalar_operand is not None and is_tensor_type(arg.type):
+                v = scalar_operand(node.params[arg.name])
+            if v is None:
+                v = _map_leaves(node.params[arg.name], value)
         else:
             kw = True
             continue

@@ -77,3 +77,26 @@ def test_out_overload_found(name, outs):
 def test_out_overload_absent(name):
     # no .out overload (attention), or not a functional op (view, in-place)
     assert out_overload(_resolve(name)) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_numbers_in_tensor_arguments_stay_exact(dtype):
+    # float32/float64 plans pass such numbers as prebuilt 0-dim tensors; the results must be
+    # bitwise those of eager, for every arithmetic op and operand order
+    def f(x):
+        y = x * 0.64 - 1.31
+        y = y / 3.0 + 2
+        y = 2.5 - y
+        y = torch.where(y > 0, y, 0.25)
+        return y * 1e-3, (x.int() * 0.5)
+
+    import fxbackend
+
+    x = torch.randn(7, 5).to(dtype)
+    with torch.no_grad():
+        out = torch.compile(f, backend="fxbackend")(x)
+    ref = f(x)
+    for o, r in zip(out, ref):
+        assert o.dtype == r.dtype
+        assert torch.equal(o, r)
+    assert fxbackend.stats()["calls"] == 1
