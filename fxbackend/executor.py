@@ -302,6 +302,23 @@ def _fast_out_table() -> dict[str, Any]:
 _FAST_OUT = _fast_out_table()
 
 
+class _AddressWatch:
+    """Calls ``update_args(node, state, inputs)`` when a step's input addresses change."""
+
+    __slots__ = ("node", "state", "callbacks", "last")
+
+    def __init__(self, node: Node, state: Any, callbacks: list) -> None:
+        self.node, self.state, self.callbacks, self.last = node, state, callbacks, None
+
+    def __call__(self, inputs: list) -> None:
+        ptrs = tuple(t.data_ptr() for t in inputs)
+        if ptrs != self.last:
+            if self.last is not None:
+                for cb in self.callbacks:
+                    cb(self.node, self.state, inputs)
+            self.last = ptrs
+
+
 class Plan:
     """A graph made concrete for one input signature: kernels, arena offsets, generated steps.
 
@@ -747,8 +764,15 @@ class Plan:
         ctx = ExecContext(self._device_of(n))
         srcs = "[" + ", ".join(_render(c) for c in srcs) + "]"
         out = codes[0].src if len(codes) == 1 else "(" + ", ".join(c.src for c in codes) + ",)"
-        return (f"{const(kernel.execute).src}({const(ctx).src}, {const(n).src}, "
+        call = (f"{const(kernel.execute).src}({const(ctx).src}, {const(n).src}, "
                 f"{const(state).src}, {srcs}, {out}, _ws)")
+        from .ops import get_op
+        owners = [o for o in (kernel, get_op(n.op)) if callable(getattr(o, "update_args", None))]
+        if not owners:
+            return call
+        # the update_args capability: told when an input's address differs from the last call
+        watch = _AddressWatch(n, state, [o.update_args for o in dict.fromkeys(owners)])
+        return f"{const(watch).src}({srcs}); " + call
 
     # -- running --------------------------------------------------------------------------
     def run(self, args: list) -> list:

@@ -11,7 +11,8 @@ only).  Optional capabilities, found by presence:
 - ``compile(node)``: ahead-of-time work at plan time; may run in parallel across nodes, so any
   shared state must be thread-safe;
 - ``serialize(node) -> dict`` / ``deserialize(dict) -> attrs``: needed to save plans;
-- ``update_args(node, inputs)``: called when an input's address changes between calls.
+- ``update_args(node, state, inputs)``: called before a step runs when one of its inputs'
+  addresses differs from the previous call (kernels may have it too).
 
 Contract of a custom node: explicit tensor inputs (``srcs``); attributes are small plain values
 copied into the node (a tensor an op needs is a source, never an attribute); one contiguous,

@@ -452,7 +452,38 @@ def test_one_op_instance_is_shared_by_every_node(reg):
     assert selves == {id(live)}
 
 
-@pytest.mark.skip(reason="update_args (called when an input's address changes between calls) "
-                  "is not implemented yet")
-def test_update_args_is_called_when_an_input_address_changes():
-    pass
+def test_update_args_is_called_when_an_input_address_changes(reg):
+    calls = []
+
+    class Watched(Scale):
+        name = "test.co_watched.v1"
+
+        def prepare(self, node):
+            return {"node": node.id}, 0
+
+        def update_args(self, node, state, inputs):
+            calls.append((node.id, state["node"], inputs[0].data_ptr()))
+
+    reg.op(Watched)
+    g, (x,) = graph_of((4, 3))
+    set_outputs(g, fxbackend.op_create(g, Watched.name, [x], {"alpha": 2.0}))
+    cg = compiled(g)
+    a, b = torch.randn(4, 3), torch.randn(4, 3)
+    cg(a)
+    cg(a)  # same address: not called
+    assert calls == []
+    torch.testing.assert_close(cg(b)[0], b * 2.0)  # new address: called before the step
+    assert len(calls) == 1 and calls[0][2] == b.data_ptr() and calls[0][0] == calls[0][1]
+    cg(b)
+    assert len(calls) == 1
+    cg(a)
+    assert len(calls) == 2 and calls[1][2] == a.data_ptr()
+
+
+def test_steps_without_update_args_pay_no_address_check(reg):
+    reg.op(Scale)
+    g, (x,) = graph_of((4, 3))
+    set_outputs(g, fxbackend.op_create(g, Scale.name, [x], {"alpha": 2.0}))
+    cg = compiled(g)
+    cg(torch.randn(4, 3))
+    assert "data_ptr" not in cg._static.source and "_AddressWatch" not in cg._static.source
