@@ -28,3 +28,9 @@ __all__ = ["fxbackend_backend", "compile_fx_graph", "explain", "CompiledGraph", 
 #: the Dynamo backend callable (also registered by name through the entry point)
 backend = fxbackend_backend
 __version__ = "0.1.0"
+
+# The project's own patterns and kernels register through the same public API as any
+# extension (heavy dependencies such as numba and triton load lazily, when a kernel compiles).
+from . import patterns as _patterns  # noqa: E402,F401
+from . import cpu_kernels as _cpu_kernels  # noqa: E402,F401
+from . import cuda_kernels as _cuda_kernels  # noqa: E402,F401

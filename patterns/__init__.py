@@ -1,1 +1,5 @@
-"""fxbackend.patterns: filled in by the pattern and kernel issues."""
+"""fxbackend.patterns: one module per pattern family (ops, idiom recognition, fusion rules).
+
+Importing this package registers every family through the public extension API.
+"""
+from . import rope  # noqa: F401

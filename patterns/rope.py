@@ -1,0 +1,103 @@
+"""RoPE: the custom op ``sd.rope_apply.v1`` and its torch reference.
+
+``sd.rope_apply.v1(x, cos, sin) {mode, n_rot}`` rotates the first ``n_rot`` features of every
+row of ``x`` (rows of head features: ``x`` is ``[..., D]`` with unit stride in the last dim;
+the other dims may be strided, e.g. a slice of a fused QKV output) and passes the rest through:
+
+    out[..., :n_rot] = x * cos + rotate(x) * sin        (computed in float32)
+    out[..., n_rot:] = x[..., n_rot:]
+
+``cos`` and ``sin`` hold one value per rotated feature (``[..., n_rot]``, broadcast over the
+batch and heads as the model gives them, e.g. ``[S, n_rot]`` against ``[B, H, S, D]``).
+``rotate`` pairs features:
+- ``mode="interleaved"``: pairs (2i, 2i+1): rotate(x)[2i] = -x[2i+1], rotate(x)[2i+1] = x[2i]
+  (Flux, CogVideoX, HunyuanDiT: ``reshape(..., -1, 2).unbind(-1)``, ``stack(-imag, real)``);
+- ``mode="split_half"``: pairs (i, i + n_rot/2): rotate(x)[i] = -x[i + h], rotate(x)[i + h] = x[i]
+  (``cat(-second half, first half)``).
+The output has x's dtype and is contiguous.  Sources: Su et al., "RoFormer" (arXiv 2104.09864);
+diffusers ``apply_rotary_emb``.
+"""
+from __future__ import annotations
+
+import torch
+
+import fxbackend
+from fxbackend import TensorMeta
+
+__all__ = ["RopeApply", "rope_reference", "MODES"]
+
+MODES = ("interleaved", "split_half")
+
+
+def _broadcasts(shape: tuple, target: tuple) -> bool:
+    if len(shape) > len(target):
+        return False
+    return all(s == 1 or s == t for s, t in zip(reversed(shape), reversed(target)))
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str,
+                   n_rot: int) -> torch.Tensor:
+    """The meaning of ``sd.rope_apply.v1`` in plain torch (float32 maths, x's dtype out)."""
+    xf = x.float()
+    rot, rest = xf[..., :n_rot], xf[..., n_rot:]
+    if mode == "interleaved":
+        pairs = rot.reshape(*rot.shape[:-1], -1, 2)
+        rotated = torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
+    elif mode == "split_half":
+        a, b = rot.chunk(2, dim=-1)
+        rotated = torch.cat([-b, a], dim=-1)
+    else:
+        raise ValueError(f"sd.rope_apply.v1: mode must be one of {MODES}, got {mode!r}")
+    out = rot * cos.float() + rotated * sin.float()
+    return torch.cat([out, rest], dim=-1).to(x.dtype).contiguous()
+
+
+def _contiguous(shape: tuple) -> tuple:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(strides))
+
+
+class RopeApply:
+    """``sd.rope_apply.v1``: see the module docstring."""
+
+    name = "sd.rope_apply.v1"
+    attrs = {"mode": str, "n_rot": int}
+
+    def infer_meta(self, srcs: list, attrs: dict) -> TensorMeta:
+        if len(srcs) != 3:
+            raise ValueError(f"{self.name}: takes (x, cos, sin), got {len(srcs)} sources")
+        x, cos, sin = srcs
+        mode, n_rot = attrs["mode"], attrs["n_rot"]
+        if mode not in MODES:
+            raise ValueError(f"{self.name}: mode must be one of {MODES}, got {mode!r}")
+        if not x.shape:
+            raise ValueError(f"{self.name}: x must have a feature dimension, got a scalar")
+        d = x.shape[-1]
+        if d % 2:
+            raise ValueError(f"{self.name}: the head size (x's last dim) must be even, got {d}")
+        if not (0 < n_rot <= d) or n_rot % 2:
+            raise ValueError(f"{self.name}: n_rot must be even and in 1..{d} (the head size), "
+                             f"got {n_rot}")
+        if x.stride[-1] != 1:
+            raise ValueError(f"{self.name}: x's features must be contiguous (last stride 1), "
+                             f"got strides {x.stride}")
+        want = tuple(x.shape[:-1]) + (n_rot,)
+        for label, m in (("cos", cos), ("sin", sin)):
+            if not m.dtype.is_floating_point or not x.dtype.is_floating_point:
+                raise ValueError(f"{self.name}: x, cos and sin must be floating point, got "
+                                 f"{x.dtype}, {cos.dtype}, {sin.dtype}")
+            if not _broadcasts(tuple(m.shape), want):
+                raise ValueError(f"{self.name}: {label} of shape {tuple(m.shape)} does not "
+                                 f"broadcast to {want} (x's rows by n_rot={n_rot})")
+        return TensorMeta(tuple(x.shape), _contiguous(tuple(x.shape)), x.dtype, x.device)
+
+    def execute(self, ctx, node, state, inputs, out, workspace) -> None:
+        """Reference execution (the op's native kernel on any device)."""
+        x, cos, sin = inputs
+        out.copy_(rope_reference(x, cos, sin, node.params["mode"], node.params["n_rot"]))
+
+
+fxbackend.register_op(RopeApply)
