@@ -541,6 +541,14 @@ class Plan:
                 return const(t), t
             return None, None  # an output nobody reads and nobody returns
 
+        def bind_result(n: Node, kernel: Any) -> None:
+            """Per call: ``v = op(...)``, the op's own result is the node's value."""
+            a, kw = call_args(n, src_of, value_of)
+            fn = const(n.target._op if hasattr(n.target, "_op") else n.target)
+            lines.append(f"v{n.id} = {fn.src}({self._args_src(a, kw)})")
+            expr[n] = _Code(f"v{n.id}")
+            self.step_counts[kernel.name] += 1
+
         def emit(n: Node) -> None:
                 if n.is_input:
                     return
@@ -566,7 +574,6 @@ class Plan:
                     return
                 kernel = self.kernels[n]
                 if n.view_of is not None:
-                    a, kw = call_args(n, src_of, value_of)
                     deps_plan_time = all(s in plan_time for s in n.srcs)
                     if deps_plan_time and kernel is registry.NATIVE:
                         # a view of planned storage never changes: take it once, here
@@ -575,10 +582,7 @@ class Plan:
                         plan_time[n] = n.target(*a2, **kw2)
                         expr[n] = const(plan_time[n])
                         return
-                    fn = const(n.target._op if hasattr(n.target, "_op") else n.target)
-                    lines.append(f"v{n.id} = {fn.src}({self._args_src(a, kw)})")
-                    expr[n] = _Code(f"v{n.id}")
-                    self.step_counts[kernel.name] += 1
+                    bind_result(n, kernel)
                     return
                 if n.op.startswith("fused.") and n.inplace_of is not None:
                     # a terminal copy: the fused kernel writes the copy's destination
@@ -597,11 +601,7 @@ class Plan:
                     self.step_counts[kernel.name] += 1
                     return
                 if n.is_scalar or n.meta is None:
-                    a, kw = call_args(n, src_of, value_of)
-                    fn = const(n.target._op if hasattr(n.target, "_op") else n.target)
-                    lines.append(f"v{n.id} = {fn.src}({self._args_src(a, kw)})")
-                    expr[n] = _Code(f"v{n.id}")
-                    self.step_counts[kernel.name] += 1
+                    bind_result(n, kernel)
                     return
                 # a compute node that owns fresh storage
                 multi = isinstance(self.metas[n], tuple)
@@ -609,11 +609,7 @@ class Plan:
                         and n.target is not None and n.op != "aten._to_copy.default"
                         and not (isinstance(n.target, torch._ops.OpOverload) and out_overload(n.target))):
                     # returned to the caller and computed fresh anyway: hand that result over
-                    a, kw = call_args(n, src_of, value_of)
-                    fn = const(n.target._op if hasattr(n.target, "_op") else n.target)
-                    lines.append(f"v{n.id} = {fn.src}({self._args_src(a, kw)})")
-                    expr[n] = _Code(f"v{n.id}")
-                    self.step_counts[kernel.name] += 1
+                    bind_result(n, kernel)
                     return
                 if multi:
                     outs = [storage(n, i) if isinstance(m, TensorMeta) else (None, None)
