@@ -1,0 +1,498 @@
+"""RoPE on the CPU: a numba kernel for ``sd.rope_apply.v1`` (see ``patterns/rope.py``).
+
+Maths (per row ``r`` of ``x`` viewed as ``[rows, D]``, all in float32, pairs as in the op)::
+
+    interleaved, p < n_rot/2:   out[2p]   = x[2p]   * cos[2p]   - x[2p+1] * sin[2p]
+                                out[2p+1] = x[2p+1] * cos[2p+1] + x[2p]   * sin[2p+1]
+    split_half,  p < h=n_rot/2: out[p]    = x[p]    * cos[p]    - x[p+h]  * sin[p]
+                                out[p+h]  = x[p+h]  * cos[p+h]  + x[p]    * sin[p+h]
+    both:                       out[n_rot:] = x[n_rot:]              (copied bit for bit)
+
+which is ``x * cos + rotate(x) * sin`` with the products and the sum rounded in the same order
+as the torch reference (no FMA contraction: ``fastmath=False``), so float32 results match it
+bit for bit.  Sources: Su et al., "RoFormer" (arXiv 2104.09864), section 3.4.2; diffusers
+``apply_rotary_emb`` (``models/embeddings.py``); the bf16/fp16 conversions follow c10's
+``BFloat16.h`` (round to nearest even) and F. Giesen's ``float_to_half_fast3_rtne``.
+
+Layout.  ``x``, ``cos`` and ``sin`` reach the kernel as flat 1-D arrays over the storage their
+elements span, and every row finds its offsets from two tiny tables of x's leading dims (size
+and element strides; a broadcast dim has stride 0): ``offset = sum_j idx_j * stride_j``.  So
+any strided ``x`` (a head slice of a fused QKV output, ``[B, S, H, D]`` seen as ``[B, H, S, D]``)
+and any broadcast ``cos``/``sin`` (``[S, n_rot]`` against ``[B, H, S, D]``, ``[S, 1, n_rot]``
+against ``[B, S, H, D]``) run without materialising a ``[rows, n_rot]`` copy or an O(rows)
+index array.  Dims contiguous in every operand are merged (Flux: one dim of S cos rows, one of
+B*H heads).  The tables split the dims in two: those cos/sin move along (``v``: which cos row)
+and those they are broadcast over (``b``: the heads).  The parallel loop (``prange``) runs over
+tasks of a tile of v (cos/sin rows worth ``_TILE_BYTES``) by a chunk of b, b outer and v inner,
+so each cos/sin row is read from memory once per tile rather than once per head.  The features
+(last dim) of ``x``, ``cos`` and ``sin`` must have stride 1; ``supports`` declines otherwise.
+The mode is a run-time argument selecting one of two row functions (one compiled kernel per
+dtype combination serves both modes).
+
+bf16/fp16.  numba has no bf16 (nor CPU fp16) type, so such tensors are passed as their bit
+patterns (bf16 as int16, fp16 as uint16: the element type selects the conversion) and converted
+to and from float32 inside the kernel with round-to-nearest-even.  This keeps one pass over
+memory and needs no workspace (converting in torch would cost a full extra read and write of
+``x`` and ``out`` plus a float32 workspace of twice their size).
+
+Compilation.  numba is imported and the kernel is compiled lazily, for the dtypes a plan
+needs, in the ``compile(node)`` capability (plan time, never the first call), and cached on
+disk.  Unless the user set ``NUMBA_CACHE_DIR``, it defaults (before numba is imported) to
+``$XDG_CACHE_HOME/fxbackend/numba`` or ``~/.cache/fxbackend/numba`` (not site-packages, which
+may be read-only), falling back to a per-user temporary folder when that cannot be created.
+Threads: numba runs with ``min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import threading
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+import fxbackend
+
+__all__ = ["RopeApplyCPU", "rope_apply_cpu", "numba_cache_dir", "compile_kernels"]
+
+_MODES = ("interleaved", "split_half")
+# numpy element type the kernel sees for each torch dtype (bits for the 16-bit floats)
+_NP_OF = {torch.float32: np.float32, torch.bfloat16: np.int16, torch.float16: np.uint16}
+_BITS_OF = {torch.bfloat16: torch.int16, torch.float16: torch.uint16}
+
+
+# -- numba: cache dir, lazy import, lazy jit ------------------------------------------------------
+
+def numba_cache_dir() -> str:
+    """Where numba caches compiled kernels: ``$NUMBA_CACHE_DIR`` when set, else
+    ``$XDG_CACHE_HOME/fxbackend/numba`` (default ``~/.cache/fxbackend/numba``)."""
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        return os.environ["NUMBA_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "fxbackend", "numba")
+
+
+def _numba():
+    """Import numba with a writable cache dir (set before the import, see the docstring)."""
+    if not os.environ.get("NUMBA_CACHE_DIR"):
+        path = numba_cache_dir()
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError:
+            path = os.path.join(tempfile.gettempdir(), f"fxbackend-numba-{os.getuid()}")
+            os.makedirs(path, exist_ok=True)
+        os.environ["NUMBA_CACHE_DIR"] = path
+        if "numba" in sys.modules:  # imported by someone else before: its config is already read
+            sys.modules["numba"].config.CACHE_DIR = path
+    import numba
+    return numba
+
+
+#: ``numba.prange`` once numba is imported (numba recognises it by identity; ``_jit`` swaps it in
+#: before the first compile); plain ``range`` until then
+prange = range
+_jit_lock = threading.Lock()
+_compile_lock = threading.Lock()
+_kernel = None
+
+
+def _jit():
+    """The jitted kernel (numba imported and the helpers registered once).
+
+    The kernel bodies below are plain module-level Python (so that importing this module stays
+    cheap and numba can cache them by file); the helpers they call are registered with numba
+    here, before the first compile."""
+    global _kernel, prange
+    if _kernel is not None:
+        return _kernel
+    with _jit_lock:
+        if _kernel is None:
+            numba = _numba()
+            from numba import types
+            from numba.extending import overload, register_jitable
+
+            prange = numba.prange
+            for fn in (_var_offsets, _bcast_offsets, _bf16_to_f32, _f32_to_bf16, _f16_to_f32,
+                       _f32_to_f16):
+                register_jitable(fn)
+            for fn in (_row_interleaved, _row_split_half):
+                # inlined into the kernel in numba's IR: LLVM then sees the row slices' bounds
+                # and vectorizes the pair loop (1.3-1.6x faster than a call per row)
+                overload(fn, inline="always", strict=False)((lambda f: lambda *args: f)(fn))
+
+            @overload(_load)
+            def _load_impl(a, i):
+                dt = a.dtype
+                if dt == types.float32:
+                    return lambda a, i: a[i]
+                if dt == types.int16:
+                    return lambda a, i: _bf16_to_f32(a[i])
+                if dt == types.uint16:
+                    return lambda a, i: _f16_to_f32(a[i])
+                return None
+
+            @overload(_store)
+            def _store_impl(a, i, v):
+                dt = a.dtype
+                if dt == types.float32:
+                    def st(a, i, v):
+                        a[i] = v
+                elif dt == types.int16:
+                    def st(a, i, v):
+                        a[i] = _f32_to_bf16(v)
+                elif dt == types.uint16:
+                    def st(a, i, v):
+                        a[i] = _f32_to_f16(v)
+                else:
+                    return None
+                return st
+
+            _kernel = numba.njit(parallel=True, cache=True, fastmath=False,
+                                 nogil=True)(_rope_kernel)
+    return _kernel
+
+
+def _set_threads() -> int:
+    numba = sys.modules["numba"]
+    n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    if numba.get_num_threads() != n:
+        numba.set_num_threads(n)
+    return n
+
+
+# -- element conversions (jitted; float32 maths) --------------------------------------------------
+
+def _load(a, i):
+    """``a[i]`` as float32 (float32, bf16 bits as int16, fp16 bits as uint16): jit only."""
+    raise NotImplementedError("_load is a numba helper: call it from a jitted kernel")
+
+
+def _store(a, i, v):
+    """``a[i] = v`` rounded to a's element type (to nearest even): jit only."""
+    raise NotImplementedError("_store is a numba helper: call it from a jitted kernel")
+
+
+def _bf16_to_f32(b):
+    return np.uint32((np.uint32(b) & np.uint32(0xFFFF)) << np.uint32(16)).view(np.float32)
+
+
+def _f32_to_bf16(f):
+    u = np.float32(f).view(np.uint32)
+    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.int16(0x7FC0)  # NaN, as c10::BFloat16 rounds it
+    u = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
+    return np.uint16(u >> np.uint32(16)).view(np.int16)
+
+
+def _f16_to_f32(h):
+    h = np.uint32(h) & np.uint32(0xFFFF)
+    sign = (h & np.uint32(0x8000)) << np.uint32(16)
+    exp = (h >> np.uint32(10)) & np.uint32(0x1F)
+    mant = h & np.uint32(0x3FF)
+    if exp == np.uint32(0x1F):  # inf, nan
+        return np.uint32(sign | np.uint32(0x7F800000) | (mant << np.uint32(13))).view(np.float32)
+    if exp == np.uint32(0):  # zero, subnormal: mant * 2**-24, exact in float32
+        mag = np.float32(np.float32(mant) * np.float32(5.9604644775390625e-08))
+        return np.uint32(mag.view(np.uint32) | sign).view(np.float32)
+    return np.uint32(sign | ((exp + np.uint32(112)) << np.uint32(23))
+                     | (mant << np.uint32(13))).view(np.float32)
+
+
+def _f32_to_f16(f):
+    u = np.float32(f).view(np.uint32)
+    sign = np.uint32(u & np.uint32(0x80000000))
+    u = np.uint32(u ^ sign)
+    if u >= np.uint32(0x47800000):  # >= 65536 (after rounding: inf), inf or nan
+        o = np.uint32(0x7E00) if u > np.uint32(0x7F800000) else np.uint32(0x7C00)
+    elif u < np.uint32(0x38800000):  # below the smallest normal half: let the FPU round
+        magic = np.uint32(0x3F000000)  # 0.5: its ulp is the half subnormal step 2**-24
+        g = np.float32(u.view(np.float32) + magic.view(np.float32))
+        o = g.view(np.uint32) - magic
+    else:
+        odd = (u >> np.uint32(13)) & np.uint32(1)
+        u = u + np.uint32(0xC8000FFF) + odd  # rebias the exponent (-112 << 23) + rounding bias
+        o = u >> np.uint32(13)
+    return np.uint16((o | (sign >> np.uint32(16))) & np.uint32(0xFFFF))
+
+
+# -- the kernels ---------------------------------------------------------------------------------
+
+def _var_offsets(v, vt):
+    """Offsets in x, out, cos, sin of cos-row index ``v`` (row-major over the table's dims)."""
+    xo = 0
+    oo = 0
+    co = 0
+    so = 0
+    for j in range(vt.shape[0] - 1, -1, -1):
+        n = vt[j, 0]
+        i = v % n
+        v = v // n
+        xo += i * vt[j, 1]
+        oo += i * vt[j, 2]
+        co += i * vt[j, 3]
+        so += i * vt[j, 4]
+    return xo, oo, co, so
+
+
+def _bcast_offsets(b, bt):
+    """Offsets in x and out of broadcast index ``b`` (cos/sin do not move along these dims)."""
+    xo = 0
+    oo = 0
+    for j in range(bt.shape[0] - 1, -1, -1):
+        n = bt[j, 0]
+        i = b % n
+        b = b // n
+        xo += i * bt[j, 1]
+        oo += i * bt[j, 2]
+    return xo, oo
+
+
+def _row_interleaved(xr, cr, sr, orow, n_rot):
+    for p in range(n_rot // 2):
+        e = 2 * p
+        a = _load(xr, e)
+        b = _load(xr, e + 1)
+        _store(orow, e, a * _load(cr, e) - b * _load(sr, e))
+        _store(orow, e + 1, b * _load(cr, e + 1) + a * _load(sr, e + 1))
+
+
+def _row_split_half(xr, cr, sr, orow, n_rot):
+    h = n_rot // 2
+    for p in range(h):
+        a = _load(xr, p)
+        b = _load(xr, p + h)
+        _store(orow, p, a * _load(cr, p) - b * _load(sr, p))
+        _store(orow, p + h, b * _load(cr, p + h) + a * _load(sr, p + h))
+
+
+def _rope_kernel(x, cos, sin, out, vt, bt, d, n_rot, tile, bchunk, interleaved):
+    """Rows are pairs (v, b): v indexes the rows of cos/sin (table ``vt``), b the dims they are
+    broadcast over (table ``bt``).  A task is a tile of ``tile`` values of v by a chunk of b, and
+    runs b outer, v inner: the tile's cos/sin rows stay in L1 while every head reuses them
+    (Flux, 2 threads: about 1.3-1.6x faster than plain row order, where each head re-streams
+    all of cos/sin through the caches)."""
+    nv = 1
+    for j in range(vt.shape[0]):
+        nv *= vt[j, 0]
+    nb = 1
+    for j in range(bt.shape[0]):
+        nb *= bt[j, 0]
+    ntiles = (nv + tile - 1) // tile
+    nbc = (nb + bchunk - 1) // bchunk
+    for task in prange(ntiles * nbc):
+        tk = np.int64(task)  # prange indices may be unsigned: int64 + uint64 would be float64
+        v0 = (tk // nbc) * tile
+        nt = min(nv - v0, tile)
+        b0 = (tk % nbc) * bchunk
+        b1 = min(nb, b0 + bchunk)
+        voff = np.empty((nt, 4), np.int64)
+        for j in range(nt):
+            o0, o1, o2, o3 = _var_offsets(v0 + j, vt)
+            voff[j, 0] = o0
+            voff[j, 1] = o1
+            voff[j, 2] = o2
+            voff[j, 3] = o3
+        for b in range(b0, b1):
+            bx, bo = _bcast_offsets(b, bt)
+            for j in range(nt):
+                xo = voff[j, 0] + bx
+                oo = voff[j, 1] + bo
+                # row slices: indices LLVM sees as in range and non-negative, so the pair loop
+                # vectorizes (about 1.5x faster than indexing the flat arrays with offsets)
+                xr, orow = x[xo:xo + d], out[oo:oo + d]
+                cr, sr = cos[voff[j, 2]:voff[j, 2] + n_rot], sin[voff[j, 3]:voff[j, 3] + n_rot]
+                if interleaved:
+                    _row_interleaved(xr, cr, sr, orow, n_rot)
+                else:
+                    _row_split_half(xr, cr, sr, orow, n_rot)
+                for e in range(n_rot, d):
+                    orow[e] = xr[e]
+
+
+# -- launcher -----------------------------------------------------------------------------------
+
+#: bytes of cos + sin rows a task keeps hot while the heads reuse them (well inside L1)
+_TILE_BYTES = 16 * 1024
+
+
+class _Layout(NamedTuple):
+    """How rows map to x/out/cos/sin elements for one set of strides (module docstring)."""
+
+    strides: tuple  # (x.stride(), cos.stride(), sin.stride()): the layout is valid for these
+    vt: np.ndarray  # [kv, 5]: per dim cos/sin move along: size, x, out, cos, sin strides
+    bt: np.ndarray  # [kb, 3]: per dim cos/sin are broadcast over: size, x, out strides
+    nv: int
+    nb: int
+    tile: int
+    spans: tuple  # elements spanned by x, cos, sin from their storage offsets
+
+
+def _span(shape, stride) -> int:
+    if any(s == 0 for s in shape):
+        return 0
+    return 1 + sum((s - 1) * st for s, st in zip(shape, stride))
+
+
+def _layout(x_shape, x_stride, c_shape, c_stride, c_item, s_shape, s_stride, s_item,
+            n_rot) -> _Layout:
+    lead = tuple(int(v) for v in x_shape[:-1])
+    k = len(lead)
+    d = int(x_shape[-1])
+
+    def bstrides(shape, stride):  # strides of a broadcast operand over x's leading dims
+        pad = k - (len(shape) - 1)
+        full_shape = (1,) * pad + tuple(shape[:-1])
+        full_stride = (0,) * pad + tuple(stride[:-1])
+        return [0 if sz == 1 else int(st) for sz, st in zip(full_shape, full_stride)]
+
+    o_stride, acc = [], d  # out is contiguous
+    for n in reversed(lead):
+        o_stride.append(acc)
+        acc *= n
+    o_stride.reverse()
+    dims = [[n, int(xs), os_, cs, ss] for n, xs, os_, cs, ss in
+            zip(lead, x_stride[:-1], o_stride, bstrides(c_shape, c_stride),
+                bstrides(s_shape, s_stride)) if n != 1]
+    merged: list = []
+    for dim in dims:  # merge a dim into the previous one when contiguous in every operand
+        if merged and all(merged[-1][t] == dim[t] * dim[0] for t in (1, 2, 3, 4)):
+            merged[-1] = [merged[-1][0] * dim[0]] + dim[1:]
+        else:
+            merged.append(dim)
+    var = [m for m in merged if m[3] or m[4]]
+    bc = [m[:3] for m in merged if not (m[3] or m[4])]
+    vt = np.array(var, dtype=np.int64).reshape(-1, 5)
+    bt = np.array(bc, dtype=np.int64).reshape(-1, 3)
+    tile = max(1, _TILE_BYTES // (n_rot * (c_item + s_item)))
+    return _Layout((tuple(x_stride), tuple(c_stride), tuple(s_stride)), vt, bt,
+                   int(np.prod(vt[:, 0])), int(np.prod(bt[:, 0])), tile,
+                   (_span(x_shape, x_stride), _span(c_shape, c_stride), _span(s_shape, s_stride)))
+
+
+def _layout_of(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_rot: int) -> _Layout:
+    return _layout(x.shape, x.stride(), cos.shape, cos.stride(), cos.element_size(), sin.shape,
+                   sin.stride(), sin.element_size(), n_rot)
+
+
+def _flat(t: torch.Tensor, span: int) -> np.ndarray:
+    """The storage ``t`` spans, from its offset, as a 1-D numpy array (bits for bf16/fp16)."""
+    bits = _BITS_OF.get(t.dtype)
+    if bits is not None:
+        t = t.view(bits)
+    return torch.as_strided(t, (span,), (1,)).numpy()
+
+
+def _launch(mode: str, n_rot: int, lay: _Layout, x, cos, sin, out) -> None:
+    if lay.spans[0] == 0:
+        return
+    fn = _jit()
+    threads = _set_threads()
+    # enough tasks to balance the threads: split the broadcast dims when there are few tiles
+    ntiles = -(-lay.nv // lay.tile)
+    nbc = min(lay.nb, max(1, -(-4 * threads // ntiles)))
+    bchunk = -(-lay.nb // nbc)
+    fn(_flat(x, lay.spans[0]), _flat(cos, lay.spans[1]), _flat(sin, lay.spans[2]),
+       _flat(out, out.numel()), lay.vt, lay.bt, x.shape[-1], n_rot, lay.tile, bchunk,
+       mode == "interleaved")
+
+
+def _why_not(x_meta: Any, cos_meta: Any, sin_meta: Any, mode: Any, n_rot: Any) -> str | None:
+    """None when the kernel computes the node correctly, else the reason (metadata only)."""
+    if mode not in _MODES or type(n_rot) is not int:
+        return f"mode {mode!r} / n_rot {n_rot!r}"
+    metas = (x_meta, cos_meta, sin_meta)
+    if not all(isinstance(m, fxbackend.TensorMeta) for m in metas):
+        return "inputs are not tensors"
+    if any(getattr(m.device, "type", None) != "cpu" for m in metas):
+        return "not on the CPU"
+    if x_meta.dtype not in _NP_OF:
+        return f"x dtype {x_meta.dtype}"
+    for m in (cos_meta, sin_meta):
+        if m.dtype not in (torch.float32, x_meta.dtype):
+            return f"cos/sin dtype {m.dtype} (float32 or x's dtype)"
+    for m in metas:
+        if not m.shape or m.is_symbolic:
+            return "symbolic or scalar metadata"
+    if x_meta.stride[-1] != 1:
+        return "x's features are strided"
+    d = x_meta.shape[-1]
+    if d % 2 or not (0 < n_rot <= d) or n_rot % 2:
+        return "bad head size / n_rot"
+    for m in (cos_meta, sin_meta):
+        if m.shape[-1] != n_rot or m.stride[-1] != 1 or len(m.shape) > len(x_meta.shape):
+            return "cos/sin features are not n_rot contiguous values"
+        for a, b in zip(reversed(m.shape[:-1]), reversed(x_meta.shape[:-1])):
+            if a != 1 and a != b:
+                return "cos/sin do not broadcast"
+    return None
+
+
+def rope_apply_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str, n_rot: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """``sd.rope_apply.v1`` on CPU tensors with the numba kernel (the launcher; for direct calls
+    and benchmarks).  ``out``: a contiguous tensor of x's shape and dtype, or None (allocated).
+    Raises ValueError for inputs the kernel does not handle (see ``RopeApplyCPU.supports``)."""
+    why = _why_not(fxbackend.TensorMeta.of(x), fxbackend.TensorMeta.of(cos),
+                   fxbackend.TensorMeta.of(sin), mode, n_rot)
+    if why is not None:
+        raise ValueError(f"rope_apply_cpu: unsupported input: {why}")
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype)
+    elif out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError("rope_apply_cpu: out must be contiguous with x's shape and dtype")
+    _launch(mode, n_rot, _layout_of(x, cos, sin, n_rot), x, cos, sin, out)
+    return out
+
+
+def compile_kernels(x_dtype: torch.dtype, cos_dtype: torch.dtype,
+                    sin_dtype: torch.dtype) -> None:
+    """Compile (or load from the disk cache) the kernel for these dtypes (both modes: the mode
+    is a run-time argument), by a call with no rows on exactly the types a launch passes."""
+    fn = _jit()
+    t = np.zeros((0, 5), dtype=np.int64)
+    # plans compile their nodes in parallel; numba serialises compilation itself, and the lock
+    # keeps these (empty) launches off threading layers that are not thread-safe (workqueue)
+    with _compile_lock:
+        fn(np.zeros(0, _NP_OF[x_dtype]), np.zeros(0, _NP_OF[cos_dtype]),
+           np.zeros(0, _NP_OF[sin_dtype]), np.zeros(0, _NP_OF[x_dtype]), t, t[:, :3].copy(),
+           2, 2, 1, 1, True)
+
+
+class RopeApplyCPU:
+    """The numba CPU kernel for ``sd.rope_apply.v1``: float32/bf16/fp16 ``x``, float32 or
+    x-dtype ``cos``/``sin`` broadcast to x's rows, any leading strides of every operand, unit
+    feature stride.  Workspace: none (bf16/fp16 convert in registers)."""
+
+    name = "rope_apply_cpu"
+    op = "sd.rope_apply.v1"
+
+    def supports(self, node) -> bool:
+        try:
+            if len(node.srcs) != 3:
+                return False
+            x, cos, sin = (s.meta for s in node.srcs)
+            return _why_not(x, cos, sin, node.params.get("mode"), node.params.get("n_rot")) is None
+        except Exception:  # never raise from supports: decline instead
+            return False
+
+    def compile(self, node) -> None:
+        x, cos, sin = (s.meta for s in node.srcs)
+        compile_kernels(x.dtype, cos.dtype, sin.dtype)
+
+    def prepare(self, node):
+        x, cos, sin = (s.meta for s in node.srcs)
+        return _layout(x.shape, x.stride, cos.shape, cos.stride, cos.itemsize, sin.shape,
+                       sin.stride, sin.itemsize, node.params["n_rot"]), 0
+
+    def execute(self, ctx, node, state, inputs, out, workspace) -> None:
+        x, cos, sin = inputs
+        lay = state
+        if (x.stride(), cos.stride(), sin.stride()) != lay.strides:
+            # the caller passed other strides than the plan's metadata: never read out of bounds
+            lay = _layout_of(x, cos, sin, node.params["n_rot"])
+        _launch(node.params["mode"], node.params["n_rot"], lay, x, cos, sin, out)
+
+
+fxbackend.register_kernel("cpu", RopeApplyCPU)
