@@ -28,35 +28,33 @@ def load_extensions() -> list[str]:
     """Load every extension not loaded yet (entry points, then ``FXB_EXTENSIONS``); returns the
     names loaded by this call.  Called by the backend before it compiles a graph."""
     new: list[str] = []
+
+    def load(key: str, what: str, loader) -> None:
+        if key in _loaded or key in _loading:
+            return
+        _loading.add(key)
+        try:
+            loader()
+        except Exception as e:
+            raise ImportError(f"fxbackend extension {what} failed to load: "
+                              f"{type(e).__name__}: {e}") from e
+        finally:
+            _loading.discard(key)
+        _loaded.append(key)
+        new.append(key)
+
+    def run_entry_point(ep) -> None:
+        obj = ep.load()
+        if callable(obj):
+            obj()
+
     with _lock:
         for ep in importlib.metadata.entry_points(group="fxbackend.extensions"):
             key = f"entry point {ep.name} ({ep.value})"
-            if key in _loaded or key in _loading:
-                continue
-            _loading.add(key)
-            try:
-                obj = ep.load()
-                if callable(obj):
-                    obj()
-            except Exception as e:
-                raise ImportError(f"fxbackend extension {key} failed to load: "
-                                  f"{type(e).__name__}: {e}") from e
-            finally:
-                _loading.discard(key)
-            _loaded.append(key)
-            new.append(key)
+            load(key, key, lambda ep=ep: run_entry_point(ep))
         for mod in os.environ.get("FXB_EXTENSIONS", "").split(","):
             mod = mod.strip()
-            if not mod or mod in _loaded or mod in _loading:
-                continue
-            _loading.add(mod)
-            try:
-                importlib.import_module(mod)
-            except Exception as e:
-                raise ImportError(f"fxbackend extension {mod!r} (from FXB_EXTENSIONS) failed to "
-                                  f"import: {type(e).__name__}: {e}") from e
-            finally:
-                _loading.discard(mod)
-            _loaded.append(mod)
-            new.append(mod)
+            if mod:
+                load(mod, f"{mod!r} (from FXB_EXTENSIONS)",
+                     lambda mod=mod: importlib.import_module(mod))
     return new
