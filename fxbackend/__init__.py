@@ -14,6 +14,7 @@ from .fusion import graph_delay, register_fusion, unregister_fusion
 from .ir import Graph, Node, ScalarMeta, TensorMeta
 from .ops import get_op, op_create, register_op, unregister_op
 from .options import Options, parse_options
+from .rewrite import register_rewrite, replace_uses, unregister_rewrite
 from .registry import (register_kernel, select_kernel, supports_native_op, supports_op,
                        unregister_kernel)
 from .stats import reset_stats, stats
@@ -23,7 +24,7 @@ __all__ = ["fxbackend_backend", "compile_fx_graph", "explain", "CompiledGraph", 
            "parse_options", "register_op", "unregister_op", "get_op", "op_create",
            "register_kernel", "unregister_kernel", "select_kernel", "supports_op",
            "supports_native_op", "register_fusion", "unregister_fusion", "graph_delay",
-           "load_extensions", "services", "stats", "reset_stats", "backend"]
+           "register_rewrite", "unregister_rewrite", "replace_uses", "load_extensions", "services", "stats", "reset_stats", "backend"]
 
 #: the Dynamo backend callable (also registered by name through the entry point)
 backend = fxbackend_backend

@@ -25,6 +25,7 @@ from .ir import Graph, Node, ScalarMeta, TensorMeta, storage_root
 from .lower import SYM_OPS
 from .memory import MemoryPlan, plan_memory
 from .fusion import FusionReport, apply_fusions
+from .rewrite import apply_rewrites
 from .native import call_args, out_overload
 from .options import Options
 from .services import CancelToken, running
@@ -337,6 +338,14 @@ class Plan:
         self.copies = 0
         self.cancel_token = CancelToken()
         self.fusion_report = FusionReport()
+        self.rewrites = apply_rewrites(self.graph)
+        if self.rewrites:
+            from .pipeline import eliminate_dead_nodes
+            eliminate_dead_nodes(self.graph, options)
+            for n in self.graph.nodes:
+                self.metas.setdefault(n, n.meta)
+            for rule_name, count in self.rewrites.items():
+                stats.bump("rewrite:" + rule_name, count)
         if options.eval_callback is not None:
             self.fusion_report.disabled = "a per-node evaluation callback is set"
         elif not options.fusion:

@@ -70,6 +70,7 @@ def stats() -> dict[str, Any]:
     default path, e.g. because they need autograd), ``plans_built``, ``replans`` (plans built for a
     new input-shape signature of an already compiled graph), ``calls``, ``steps_by_kernel``
     (steps executed, by kernel name), ``fusions_by_rule``, ``copies`` (counted copies executed),
+    ``rewrites_by_rule`` (idioms replaced by custom ops, per plan built),
     ``arena_bytes``, ``intermediate_bytes`` and ``workspace_bytes`` (summed over plans built).
     """
     with _lock:
@@ -88,9 +89,12 @@ def stats() -> dict[str, Any]:
             for name, c in per["steps"].items():
                 steps[name] += c * n
             copies += per["copies"] * n
+        rewrites: Counter = Counter()
         for k, v in _counters.items():
             if k.startswith("fusion:"):
                 fusions[k[len("fusion:"):]] += v
+            elif k.startswith("rewrite:"):
+                rewrites[k[len("rewrite:"):]] += v
         for k, v in _counters.items():  # plans already dropped
             if k.startswith("steps:"):
                 steps[k[len("steps:"):]] += v
@@ -98,4 +102,5 @@ def stats() -> dict[str, Any]:
         out["steps_by_kernel"] = dict(steps)
         out["copies"] = copies + _counters.get("copies", 0)
         out["fusions_by_rule"] = dict(fusions)
+        out["rewrites_by_rule"] = dict(rewrites)
         return out

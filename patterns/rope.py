@@ -24,7 +24,7 @@ import torch
 import fxbackend
 from fxbackend import TensorMeta
 
-__all__ = ["RopeApply", "rope_reference", "MODES"]
+__all__ = ["RopeApply", "RopeInterleavedIdiom", "rope_reference", "MODES"]
 
 MODES = ("interleaved", "split_half")
 
@@ -100,4 +100,105 @@ class RopeApply:
         out.copy_(rope_reference(x, cos, sin, node.params["mode"], node.params["n_rot"]))
 
 
+def _only_user(users: dict, node, user) -> bool:
+    """``node`` is read by ``user`` alone and is not a graph output."""
+    return users.get(node, []) == [user] and not node.is_output
+
+
+def _last_dim(node, dim) -> bool:
+    return dim == -1 or dim == len(node.meta.shape) - 1
+
+
+class RopeInterleavedIdiom:
+    """Interleaved RoPE written out (Flux, CogVideoX, HunyuanDiT in diffusers):
+
+    # view(x, [..., D/2, 2]) -> unbind(-1) -> stack([-imag, real], -1) -> view(x.shape) = rot;
+    # x * cos + rot * sin  =>  sd.rope_apply.v1(x, cos, sin) {mode=interleaved, n_rot=D}
+
+    Matched on dataflow; every intermediate must be read only inside the idiom.  The output
+    must have x's shape and dtype (no broadcast or promotion hidden in the multiplies), so the
+    rewrite is exact: the kernel computes the same products and sum in the same order.
+    """
+
+    name = "rope_interleaved"
+
+    def rewrite(self, graph) -> int:
+        users = graph.users()
+        count = 0
+        for add in list(graph.nodes):
+            found = self._match(add, users)
+            if found is None:
+                continue
+            x, cos, sin = found
+            try:
+                new = fxbackend.op_create(graph, RopeApply.name, [x, cos, sin],
+                                          {"mode": "interleaved", "n_rot": x.meta.shape[-1]},
+                                          after=add)
+            except (ValueError, TypeError):
+                continue  # e.g. tables that do not broadcast, strided features: leave it
+            fxbackend.replace_uses(graph, add, new)
+            users = graph.users()
+            count += 1
+        return count
+
+    def _match(self, add, users):
+        if add.op != "aten.add.Tensor" or len(add.srcs) != 2 or add.params.get("alpha", 1) != 1:
+            return None
+        if not isinstance(add.meta, TensorMeta):
+            return None
+        for m_cos, m_sin in (add.srcs, add.srcs[::-1]):
+            if not all(m.op == "aten.mul.Tensor" and len(m.srcs) == 2 and
+                       _only_user(users, m, add) for m in (m_cos, m_sin)):
+                continue
+            for rot, sin in (m_sin.srcs, m_sin.srcs[::-1]):
+                x = self._rotated_source(rot, users, m_sin)
+                if x is None or x not in m_cos.srcs:
+                    continue
+                cos = m_cos.srcs[1] if m_cos.srcs[0] is x else m_cos.srcs[0]
+                if cos is x or sin is x:
+                    continue
+                if tuple(add.meta.shape) != tuple(x.meta.shape) or add.meta.dtype != x.meta.dtype:
+                    continue
+                return x, cos, sin
+        return None
+
+    def _rotated_source(self, rot, users, reader):
+        """x when ``rot`` is view(stack([-x_odd, x_even], -1)) of x's pairs, else None."""
+        if rot.op != "aten.view.default" or not _only_user(users, rot, reader):
+            return None
+        stack = rot.srcs[0]
+        if (stack.op != "aten.stack.default" or len(stack.srcs) != 2
+                or not _last_dim(stack, stack.params.get("dim", 0))
+                or not _only_user(users, stack, rot)):
+            return None
+        neg, even = stack.srcs
+        if neg.op != "aten.neg.default" or not _only_user(users, neg, stack):
+            return None
+        odd = neg.srcs[0]
+        if not (even.op == odd.op == "getitem" and even.params["index"] == 0
+                and odd.params["index"] == 1 and even.srcs[0] is odd.srcs[0]):
+            return None
+        if not (_only_user(users, even, stack) and _only_user(users, odd, neg)):
+            return None
+        unbind = even.srcs[0]
+        if unbind.op != "aten.unbind.int" or unbind.is_output or \
+                sorted(users.get(unbind, []), key=id) != sorted([even, odd], key=id):
+            return None
+        pairs = unbind.srcs[0]
+        if not _last_dim(pairs, unbind.params.get("dim", 0)) or pairs.op != "aten.view.default":
+            return None
+        if not _only_user(users, pairs, unbind):
+            return None
+        x = pairs.srcs[0]
+        if not isinstance(x.meta, TensorMeta) or not x.meta.shape:
+            return None
+        d = x.meta.shape[-1]
+        if tuple(pairs.meta.shape) != tuple(x.meta.shape[:-1]) + (d // 2, 2) or d % 2:
+            return None
+        if tuple(rot.meta.shape) != tuple(x.meta.shape):
+            return None
+        return x
+
+
 fxbackend.register_op(RopeApply)
+fxbackend.register_rewrite(RopeInterleavedIdiom)
