@@ -24,7 +24,7 @@ import torch
 import fxbackend
 from fxbackend import TensorMeta
 
-__all__ = ["RopeApply", "RopeInterleavedIdiom", "rope_reference", "MODES"]
+__all__ = ["RopeApply", "RopeIdiom", "rope_reference", "MODES"]
 
 MODES = ("interleaved", "split_half")
 
@@ -109,18 +109,23 @@ def _last_dim(node, dim) -> bool:
     return dim == -1 or dim == len(node.meta.shape) - 1
 
 
-class RopeInterleavedIdiom:
-    """Interleaved RoPE written out (Flux, CogVideoX, HunyuanDiT in diffusers):
+class RopeIdiom:
+    """RoPE written out, as diffusers' ``apply_rotary_emb`` does (real form):
 
-    # view(x, [..., D/2, 2]) -> unbind(-1) -> stack([-imag, real], -1) -> view(x.shape) = rot;
-    # x * cos + rot * sin  =>  sd.rope_apply.v1(x, cos, sin) {mode=interleaved, n_rot=D}
+    # interleaved: view(x, [..., D/2, 2]) -> unbind(-1) -> stack([-odd, even], -1)
+    #              -> view(x.shape) = rot;  x * cos + rot * sin
+    #   =>  sd.rope_apply.v1(x, cos, sin) {mode=interleaved, n_rot=D}      (Flux, CogVideoX)
+    # split_half:  view(x, [..., 2, D/2]) -> unbind(-2) -> cat([-second, first], -1) = rot;
+    #              x * cos + rot * sin
+    #   =>  sd.rope_apply.v1(x, cos, sin) {mode=split_half, n_rot=D}       (Stable Audio, CogView4)
 
-    Matched on dataflow; every intermediate must be read only inside the idiom.  The output
-    must have x's shape and dtype (no broadcast or promotion hidden in the multiplies), so the
-    rewrite is exact: the kernel computes the same products and sum in the same order.
+    Matched on dataflow; every intermediate must be read only inside the idiom and not be a
+    graph output.  The output must have x's shape and dtype (no broadcast or promotion hidden
+    in the multiplies), so the rewrite is exact: the kernels compute the same products and sum
+    in the same order.  The complex form (view_as_complex) is not recognised yet.
     """
 
-    name = "rope_interleaved"
+    name = "rope"
 
     def rewrite(self, graph) -> int:
         users = graph.users()
@@ -129,11 +134,10 @@ class RopeInterleavedIdiom:
             found = self._match(add, users)
             if found is None:
                 continue
-            x, cos, sin = found
+            x, cos, sin, mode = found
             try:
                 new = fxbackend.op_create(graph, RopeApply.name, [x, cos, sin],
-                                          {"mode": "interleaved", "n_rot": x.meta.shape[-1]},
-                                          after=add)
+                                          {"mode": mode, "n_rot": x.meta.shape[-1]}, after=add)
             except (ValueError, TypeError):
                 continue  # e.g. tables that do not broadcast, strided features: leave it
             fxbackend.replace_uses(graph, add, new)
@@ -151,54 +155,62 @@ class RopeInterleavedIdiom:
                        _only_user(users, m, add) for m in (m_cos, m_sin)):
                 continue
             for rot, sin in (m_sin.srcs, m_sin.srcs[::-1]):
-                x = self._rotated_source(rot, users, m_sin)
-                if x is None or x not in m_cos.srcs:
+                found = self._rotated_source(rot, users, m_sin)
+                if found is None or found[0] not in m_cos.srcs:
                     continue
+                x, mode = found
                 cos = m_cos.srcs[1] if m_cos.srcs[0] is x else m_cos.srcs[0]
                 if cos is x or sin is x:
                     continue
                 if tuple(add.meta.shape) != tuple(x.meta.shape) or add.meta.dtype != x.meta.dtype:
                     continue
-                return x, cos, sin
+                return x, cos, sin, mode
         return None
 
     def _rotated_source(self, rot, users, reader):
-        """x when ``rot`` is view(stack([-x_odd, x_even], -1)) of x's pairs, else None."""
-        if rot.op != "aten.view.default" or not _only_user(users, rot, reader):
+        """(x, mode) when ``rot`` is x's features rotated pairwise in one of the two forms."""
+        if not _only_user(users, rot, reader):
             return None
-        stack = rot.srcs[0]
-        if (stack.op != "aten.stack.default" or len(stack.srcs) != 2
-                or not _last_dim(stack, stack.params.get("dim", 0))
-                or not _only_user(users, stack, rot)):
+        if rot.op == "aten.view.default":  # interleaved: view(stack([-odd, even], -1))
+            mode, unbind_dim, join = "interleaved", -1, rot.srcs[0]
+            if join.op != "aten.stack.default" or not _only_user(users, join, rot):
+                return None
+        elif rot.op == "aten.cat.default":  # split_half: cat([-second, first], -1)
+            mode, unbind_dim, join = "split_half", -2, rot
+        else:
             return None
-        neg, even = stack.srcs
-        if neg.op != "aten.neg.default" or not _only_user(users, neg, stack):
+        if len(join.srcs) != 2 or not _last_dim(join, join.params.get("dim", 0)):
             return None
-        odd = neg.srcs[0]
-        if not (even.op == odd.op == "getitem" and even.params["index"] == 0
-                and odd.params["index"] == 1 and even.srcs[0] is odd.srcs[0]):
+        neg, first = join.srcs
+        if neg.op != "aten.neg.default" or not _only_user(users, neg, join):
             return None
-        if not (_only_user(users, even, stack) and _only_user(users, odd, neg)):
+        second = neg.srcs[0]
+        if not (first.op == second.op == "getitem" and first.params["index"] == 0
+                and second.params["index"] == 1 and first.srcs[0] is second.srcs[0]):
             return None
-        unbind = even.srcs[0]
+        if not (_only_user(users, first, join) and _only_user(users, second, neg)):
+            return None
+        unbind = first.srcs[0]
         if unbind.op != "aten.unbind.int" or unbind.is_output or \
-                sorted(users.get(unbind, []), key=id) != sorted([even, odd], key=id):
+                sorted(users.get(unbind, []), key=id) != sorted([first, second], key=id):
             return None
         pairs = unbind.srcs[0]
-        if not _last_dim(pairs, unbind.params.get("dim", 0)) or pairs.op != "aten.view.default":
+        dim = unbind.params.get("dim", 0)
+        if pairs.op != "aten.view.default" or not _only_user(users, pairs, unbind):
             return None
-        if not _only_user(users, pairs, unbind):
+        if dim != unbind_dim and dim != len(pairs.meta.shape) + unbind_dim:
             return None
         x = pairs.srcs[0]
         if not isinstance(x.meta, TensorMeta) or not x.meta.shape:
             return None
         d = x.meta.shape[-1]
-        if tuple(pairs.meta.shape) != tuple(x.meta.shape[:-1]) + (d // 2, 2) or d % 2:
+        split = (d // 2, 2) if mode == "interleaved" else (2, d // 2)
+        if d % 2 or tuple(pairs.meta.shape) != tuple(x.meta.shape[:-1]) + split:
             return None
         if tuple(rot.meta.shape) != tuple(x.meta.shape):
             return None
-        return x
+        return x, mode
 
 
 fxbackend.register_op(RopeApply)
-fxbackend.register_rewrite(RopeInterleavedIdiom)
+fxbackend.register_rewrite(RopeIdiom)
