@@ -165,7 +165,8 @@ def graph_delay(graph: Graph, start: int, end: int, after: int | Node) -> bool:
     if not (0 <= start < end <= len(graph.nodes)) or a >= len(graph.nodes):
         return False
     if a < end:
-        return a == end - 1  # already there
+        # already right after ``after`` (or ``after`` is the range's own last node): nothing to do
+        return a == end - 1 or a == start - 1
     moving = graph.nodes[start:end]
     between = graph.nodes[end:a + 1]
     inside = set(moving)

@@ -257,3 +257,20 @@ def test_delay_makes_a_chain_consecutive():
     i = b.g.nodes.index(n["a"])
     assert fxbackend.graph_delay(b.g, i, i + 1, n["d"])
     assert b.g.nodes.index(n["e"]) == b.g.nodes.index(n["a"]) + 1
+
+
+def test_a_range_already_right_after_the_node_is_a_no_op_success():
+    from fxbackend import Graph, TensorMeta
+    g = Graph()
+    meta = TensorMeta((2,), (1,), torch.float32, torch.device("cpu"))
+    x = g.append(g.new_node("input", meta=meta, is_input=True))
+    a = g.append(g.new_node("aten.sin.default", [x], {}, meta, target=torch.ops.aten.sin.default,
+                            tensor_layout=(("self", True),)))
+    b = g.append(g.new_node("aten.cos.default", [a], {}, meta, target=torch.ops.aten.cos.default,
+                            tensor_layout=(("self", True),)))
+    before = g.format()
+    assert fxbackend.graph_delay(g, 1, 2, 0)       # range [a] already follows x
+    assert fxbackend.graph_delay(g, 1, 2, a)       # ``after`` is the range's last node
+    assert g.format() == before
+    assert not fxbackend.graph_delay(g, 2, 3, 0)   # b cannot move before a by "delaying"
+    assert g.nodes == [x, a, b]
