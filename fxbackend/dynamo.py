@@ -20,7 +20,7 @@ from .lower import lower
 from .options import Options, parse_options
 from .pipeline import run_pipeline
 
-__all__ = ["fxbackend_backend", "compile_fx_graph", "explain"]
+__all__ = ["fxbackend_backend", "compile_fx_graph", "boxed_runner", "explain"]
 
 _graph_ids = itertools.count()
 #: callables told about every CompiledGraph made (explain() listens here)
@@ -55,6 +55,21 @@ def compile_fx_graph(aten_gm: torch.fx.GraphModule, options: Options,
     return compiled
 
 
+def boxed_runner(compiled: CompiledGraph):
+    """``compiled`` in aot_autograd's boxed calling convention (takes the argument list and
+    clears it, so inputs can be freed early)."""
+    run = compiled.run
+
+    def boxed(args: list):
+        out = run(args)
+        args.clear()
+        return out
+
+    boxed._boxed_call = True
+    boxed.fxbackend_compiled = compiled
+    return boxed
+
+
 def fxbackend_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None,
                       mode: str | None = None, **kwargs: Any):
     """Dynamo backend.  ``options``: see :class:`fxbackend.options.Options`.
@@ -79,17 +94,7 @@ def fxbackend_backend(gm: torch.fx.GraphModule, example_inputs: list, options: d
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
 
     def fw_compiler(aten_gm: torch.fx.GraphModule, fake_inputs: list):
-        compiled = compile_fx_graph(aten_gm, opts, weight_mask, names)
-        run = compiled.run
-
-        def boxed(args: list):
-            out = run(args)
-            args.clear()
-            return out
-
-        boxed._boxed_call = True
-        boxed.fxbackend_compiled = compiled
-        return boxed
+        return boxed_runner(compile_fx_graph(aten_gm, opts, weight_mask, names))
 
     return aot_module_simplified(gm, example_inputs, fw_compiler=fw_compiler,
                                  keep_inference_input_mutations=True)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fxbackend
-from fxbackend.dynamo import compile_fx_graph
+from fxbackend.dynamo import boxed_runner, compile_fx_graph
 from fxbackend.options import parse_options
 
 
@@ -89,15 +89,7 @@ def make_capture_backend(sink: Captured, options: dict | None = None):
             compiled = compile_fx_graph(aten_gm, opts)
             sink.compiled.append(compiled)
             sink.formats.append(compiled.graph.format())
-            run = compiled.run
-
-            def boxed(args: list):
-                out = run(args)
-                args.clear()
-                return out
-
-            boxed._boxed_call = True
-            return boxed
+            return boxed_runner(compiled)
 
         return aot_module_simplified(gm, example_inputs, fw_compiler=fw_compiler,
                                      keep_inference_input_mutations=True)

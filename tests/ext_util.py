@@ -47,6 +47,11 @@ def graph_of(*shapes: Sequence[int], dtype: torch.dtype = torch.float32) -> tupl
     return g, xs
 
 
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max|out - ref| / max|ref|, in float32."""
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
 def set_outputs(g: Graph, *nodes: Node) -> None:
     for n in nodes:
         n.is_output = True

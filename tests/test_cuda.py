@@ -7,21 +7,10 @@ import torch
 
 import fxbackend
 from fxbackend import models
+from ext_util import rel_err as _rel_err
 
 pytestmark = pytest.mark.cuda
 FAMILIES = ["flux", "sd3", "pixart", "unet"]
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    fxbackend.reset_stats()
-    yield
-    torch._dynamo.reset()
-
-
-def _rel_err(out, ref):
-    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
 @pytest.mark.parametrize("dynamic", [False, True])

@@ -7,20 +7,9 @@ import torch
 
 import fxbackend
 from fxbackend import models
+from ext_util import rel_err as _rel_err
 
 FAMILIES = ["flux", "sd3", "pixart", "unet"]
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    fxbackend.reset_stats()
-    yield
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
