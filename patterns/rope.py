@@ -24,9 +24,15 @@ import torch
 import fxbackend
 from fxbackend import TensorMeta
 
-__all__ = ["RopeApply", "RopeIdiom", "rope_reference", "MODES"]
+from .rmsnorm import RmsNorm, _contiguous, is_cast_to
+
+RmsNormName = RmsNorm.name
+
+__all__ = ["RopeApply", "RopeTables", "RopeIdiom", "rope_reference", "rms_rope_reference", "RmsRopeFusion",
+           "ReferenceRmsRope", "MODES"]
 
 MODES = ("interleaved", "split_half")
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def _broadcasts(shape: tuple, target: tuple) -> bool:
@@ -52,12 +58,25 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: 
     return torch.cat([out, rest], dim=-1).to(x.dtype).contiguous()
 
 
-def _contiguous(shape: tuple) -> tuple:
-    strides, acc = [], 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= max(int(s), 1)
-    return tuple(reversed(strides))
+def rms_rope_reference(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, eps: float, mode: str, n_rot: int,
+                       scale: float | None = None,
+                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The fused chain ``sd.rms_norm.v1(x, weight) -> sd.rope_apply.v1 [-> * scale]
+    [-> .to(out_dtype)]`` in plain torch, each step with its own rounding:
+
+        n = rms_norm_reference(x, weight, eps)        dtype Tn (rms_norm_out_dtype)
+        r = rope_reference(n, cos, sin, mode, n_rot)  dtype Tn, float32 maths
+        r = r * scale                                  dtype Tn (float32 maths for 16-bit Tn)
+        r = r.to(out_dtype)
+    """
+    from .rmsnorm import rms_norm_reference
+    r = rope_reference(rms_norm_reference(x, weight, eps), cos, sin, mode, n_rot)
+    if scale is not None:
+        r = r * scale
+    if out_dtype is not None:
+        r = r.to(out_dtype)
+    return r.contiguous()
 
 
 class RopeApply:
@@ -100,6 +119,36 @@ class RopeApply:
         out.copy_(rope_reference(x, cos, sin, node.params["mode"], node.params["n_rot"]))
 
 
+class RopeTables:
+    """``sd.rope_tables.v1(freqs) {part}``: the cos (``part="cos"``) or sin (``"sin"``) table of
+    ``sd.rope_apply.v1`` (interleaved) from complex frequencies ``freqs`` (complex64,
+    ``[..., n/2]``, e.g. ``torch.polar(1, angles)``): float32 ``[..., n]`` with
+    ``out[..., 2p] = out[..., 2p+1] = freqs[..., p].real`` (``.imag`` for sin).  With these,
+    ``view_as_real(view_as_complex(x) * freqs)`` is ``rope_apply(x, cos, sin)``: the complex
+    product ``(a + ib)(c + id)`` is ``(ac - bd) + i(bc + ad)``."""
+
+    name = "sd.rope_tables.v1"
+    attrs = {"part": str}
+
+    def infer_meta(self, srcs: list, attrs: dict) -> TensorMeta:
+        if len(srcs) != 1:
+            raise ValueError(f"{self.name}: takes (freqs), got {len(srcs)} sources")
+        f = srcs[0]
+        if attrs["part"] not in ("cos", "sin"):
+            raise ValueError(f"{self.name}: part must be 'cos' or 'sin', got {attrs['part']!r}")
+        if f.dtype != torch.complex64 or not f.shape:
+            raise ValueError(f"{self.name}: freqs must be a complex64 tensor with a feature "
+                             f"dimension, got {f.dtype} of shape {tuple(f.shape)}")
+        shape = tuple(f.shape[:-1]) + (2 * f.shape[-1],)
+        return TensorMeta(shape, _contiguous(shape), torch.float32, f.device)
+
+    def execute(self, ctx, node, state, inputs, out, workspace) -> None:
+        """Reference execution (the op's native kernel on any device)."""
+        part = torch.view_as_real(inputs[0])[..., 0 if node.params["part"] == "cos" else 1]
+        pairs = out.view(*out.shape[:-1], -1, 2)
+        pairs.copy_(part.unsqueeze(-1).expand(pairs.shape))
+
+
 def _only_user(users: dict, node, user) -> bool:
     """``node`` is read by ``user`` alone and is not a graph output."""
     return users.get(node, []) == [user] and not node.is_output
@@ -131,21 +180,43 @@ class RopeIdiom:
         users = graph.users()
         count = 0
         for add in list(graph.nodes):
+            found = self._match_complex(add, users)
+            if found is not None:
+                x, freqs, last = found
+                try:
+                    tc = fxbackend.op_create(graph, RopeTables.name, [freqs], {"part": "cos"},
+                                             after=last)
+                    ts = fxbackend.op_create(graph, RopeTables.name, [freqs], {"part": "sin"},
+                                             after=tc)
+                    new = fxbackend.op_create(graph, RopeApply.name, [x, tc, ts],
+                                              {"mode": "interleaved",
+                                               "n_rot": x.meta.shape[-1]}, after=ts)
+                except (ValueError, TypeError):
+                    for n in [n for n in graph.nodes[graph.nodes.index(last) + 1:][:3]
+                              if n.op in (RopeTables.name, RopeApply.name) and not users.get(n)]:
+                        graph.nodes.remove(n)
+                    continue
+                fxbackend.replace_uses(graph, last, new)
+                users = graph.users()
+                count += 1
+                continue
             found = self._match(add, users)
             if found is None:
                 continue
-            x, cos, sin, mode = found
+            x, cos, sin, mode, last = found
             try:
                 new = fxbackend.op_create(graph, RopeApply.name, [x, cos, sin],
-                                          {"mode": mode, "n_rot": x.meta.shape[-1]}, after=add)
+                                          {"mode": mode, "n_rot": x.meta.shape[-1]}, after=last)
             except (ValueError, TypeError):
                 continue  # e.g. tables that do not broadcast, strided features: leave it
-            fxbackend.replace_uses(graph, add, new)
+            fxbackend.replace_uses(graph, last, new)
             users = graph.users()
             count += 1
         return count
 
     def _match(self, add, users):
+        """(x, cos, sin, mode, last) when ``add`` sums the two products of a RoPE; ``last`` is
+        the node the op replaces (``add``, or the cast back to x's dtype that follows it)."""
         if add.op != "aten.add.Tensor" or len(add.srcs) != 2 or add.params.get("alpha", 1) != 1:
             return None
         if not isinstance(add.meta, TensorMeta):
@@ -155,16 +226,76 @@ class RopeIdiom:
                        _only_user(users, m, add) for m in (m_cos, m_sin)):
                 continue
             for rot, sin in (m_sin.srcs, m_sin.srcs[::-1]):
-                found = self._rotated_source(rot, users, m_sin)
-                if found is None or found[0] not in m_cos.srcs:
+                # 16-bit x: diffusers computes x.float() * cos + rot.float() * sin
+                widened = is_cast_to(rot, torch.float32) and _only_user(users, rot, m_sin)
+                found = self._rotated_source(rot.srcs[0] if widened else rot, users,
+                                             rot if widened else m_sin)
+                if found is None:
                     continue
                 x, mode = found
-                cos = m_cos.srcs[1] if m_cos.srcs[0] is x else m_cos.srcs[0]
-                if cos is x or sin is x:
+                xs = [s for s in m_cos.srcs
+                      if s is x or (widened and is_cast_to(s, torch.float32) and s.srcs[0] is x)]
+                if len(xs) != 1:
                     continue
-                if tuple(add.meta.shape) != tuple(x.meta.shape) or add.meta.dtype != x.meta.dtype:
+                cos = m_cos.srcs[1] if m_cos.srcs[0] is xs[0] else m_cos.srcs[0]
+                if cos is x or sin is x or cos is xs[0] or sin is xs[0]:
                     continue
-                return x, cos, sin, mode
+                if tuple(add.meta.shape) != tuple(x.meta.shape) or \
+                        add.meta.dtype != torch.float32:
+                    continue  # broadcast, or maths in another precision than the op's float32
+                last = add
+                if x.meta.dtype != torch.float32:
+                    # float32 sum of a 16-bit x: exact only when converted straight back
+                    back = users.get(add, [])
+                    if not widened or x.meta.dtype not in _HALF or add.is_output or \
+                            len(back) != 1 or not is_cast_to(back[0], x.meta.dtype):
+                        continue
+                    last = back[0]
+                return x, cos, sin, mode, last
+        return None
+
+    def _match_complex(self, mul, users):
+        """(x, freqs, last) for ``view(view_as_real(view_as_complex(view(xf, [..., D/2, 2]))
+        * freqs), [..., D])`` [-> cast back to x's dtype], xf = x or x.float()."""
+        if mul.op != "aten.mul.Tensor" or len(mul.srcs) != 2 or \
+                not isinstance(mul.meta, TensorMeta) or mul.meta.dtype != torch.complex64:
+            return None
+        for vc, freqs in (mul.srcs, mul.srcs[::-1]):
+            if vc.op != "aten.view_as_complex.default" or not _only_user(users, vc, mul):
+                continue
+            if not isinstance(freqs.meta, TensorMeta) or freqs.meta.dtype != torch.complex64:
+                continue
+            pairs = vc.srcs[0]
+            if pairs.op not in ("aten.view.default", "aten._unsafe_view.default",
+                                "aten.reshape.default") or not _only_user(users, pairs, vc):
+                continue
+            xf = pairs.srcs[0]
+            if not isinstance(xf.meta, TensorMeta) or xf.meta.dtype != torch.float32 or \
+                    not xf.meta.shape:
+                continue
+            d = xf.meta.shape[-1]
+            if d % 2 or tuple(pairs.meta.shape) != tuple(xf.meta.shape[:-1]) + (d // 2, 2):
+                continue
+            if tuple(mul.meta.shape) != tuple(vc.meta.shape):
+                continue  # freqs broadcast x: not a rotation of x
+            vr = users.get(mul, [])
+            if len(vr) != 1 or mul.is_output or vr[0].op != "aten.view_as_real.default":
+                continue
+            vr = vr[0]
+            flat = users.get(vr, [])
+            if len(flat) != 1 or vr.is_output or flat[0].op not in (
+                    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default"):
+                continue
+            flat = flat[0]
+            if tuple(flat.meta.shape) != tuple(xf.meta.shape):
+                continue
+            x, last = xf, flat
+            back = users.get(flat, [])
+            if xf.srcs and is_cast_to(xf, torch.float32) and \
+                    xf.srcs[0].meta.dtype in _HALF and len(back) == 1 and \
+                    not flat.is_output and is_cast_to(back[0], xf.srcs[0].meta.dtype):
+                x, last = xf.srcs[0], back[0]  # x.float() ... type_as(x): one op on x
+            return x, freqs, last
         return None
 
     def _rotated_source(self, rot, users, reader):
@@ -212,5 +343,136 @@ class RopeIdiom:
         return x, mode
 
 
+class RmsRopeFusion:
+    """Fusion rule ``rms_rope``: ``sd.rms_norm.v1(x, w) -> sd.rope_apply.v1 [-> mul(scalar)]
+    [-> cast to fp16/bf16 | copy_ into an fp16/bf16 tensor]`` as one kernel that reads each row
+    of x once and writes each output row once (meaning: :func:`rms_rope_reference`).
+
+    ``impl`` is the device kernel: an object with ``name``,
+    ``why_not(x, w, cos, sin, out_dtype, mode, n_rot) -> str | None`` (metadata only; a reason
+    declines the range), optional ``compile(x, w, cos, sin, out_dtype)`` (plan time) and
+    ``run(x, w, cos, sin, out, eps=, mode=, n_rot=, scale=)`` writing a contiguous ``out``
+    that overlaps no input.  ``cpu_kernels/rms_rope.py`` and ``cuda_kernels/rms_rope.py``
+    register one rule each.
+
+    ``optimize`` makes the chain consecutive where the model interleaves q and k (Flux:
+    ``norm_q(q); norm_k(k); rope(q); rope(k)``): it moves each norm down to just before its
+    RoPE with ``graph_delay``, which refuses any move that would change the result.
+
+    A terminal ``copy_`` may write into storage that overlaps x (e.g. back into the QKV
+    buffer): then the kernel writes to workspace first and the copy follows.
+    """
+
+    priority = 10
+
+    def __init__(self, impl) -> None:
+        self.impl = impl
+        self.name = "rms_rope"
+
+    # -- matching ----------------------------------------------------------------------------
+    @staticmethod
+    def _chain(graph, i: int) -> list | None:
+        """The nodes of the chain starting at ``i`` (norm, rope[, scale][, cast/copy])."""
+        nodes = graph.nodes
+        if i + 1 >= len(nodes):
+            return None
+        norm, rope = nodes[i], nodes[i + 1]
+        if norm.op != RmsNormName or len(norm.srcs) != 2 or rope.op != RopeApply.name or \
+                rope.srcs[0] is not norm or norm in rope.srcs[1:]:
+            return None
+        chain = [norm, rope]
+        k = i + 2
+        if k < len(nodes) and nodes[k].op == "aten.mul.Tensor" and nodes[k].srcs == [rope] and \
+                isinstance(nodes[k].params.get("other"), (int, float)) and \
+                not isinstance(nodes[k].params.get("other"), bool) and \
+                isinstance(nodes[k].meta, TensorMeta) and nodes[k].meta.dtype == rope.meta.dtype:
+            chain.append(nodes[k])
+            k += 1
+        if k < len(nodes):
+            c = nodes[k]
+            if any(is_cast_to(c, dt) for dt in _HALF) and c.srcs == [chain[-1]]:
+                chain.append(c)
+            elif c.op == "aten.copy_.default" and len(c.srcs) == 2 and c.srcs[1] is chain[-1] \
+                    and c.inplace_of is c.srcs[0] and isinstance(c.meta, TensorMeta) \
+                    and c.meta.dtype in _HALF and tuple(c.meta.shape) == tuple(rope.meta.shape):
+                chain.append(c)
+        return chain
+
+    def match(self, graph, i: int) -> int:
+        chain = self._chain(graph, i)
+        if chain is None:
+            return 0
+        norm, rope = chain[0], chain[1]
+        x, w = norm.srcs
+        _, cos, sin = rope.srcs
+        why = self.impl.why_not(x.meta, w.meta, cos.meta, sin.meta, chain[-1].meta.dtype,
+                                rope.params["mode"], rope.params["n_rot"])
+        return 0 if why is not None else len(chain)
+
+    def optimize(self, graph) -> None:
+        for rope in [n for n in graph.nodes if n.op == RopeApply.name]:
+            norm = rope.srcs[0]
+            if norm.op != RmsNormName or norm not in graph.nodes:
+                continue
+            i, j = graph.nodes.index(norm), graph.nodes.index(rope)
+            if i < j - 1:
+                fxbackend.graph_delay(graph, i, i + 1, j - 1)
+
+    # -- running -----------------------------------------------------------------------------
+    def _parts(self, node) -> dict:
+        chain = node.annotations["fused"]
+        norm, rope = chain[0], chain[1]
+        scale = next((float(c.params["other"]) for c in chain[2:]
+                      if c.op == "aten.mul.Tensor"), None)
+        last = chain[-1]
+        return dict(x=norm.srcs[0], w=norm.srcs[1], cos=rope.srcs[1], sin=rope.srcs[2],
+                    dst=last.srcs[0] if last.op == "aten.copy_.default" else None,
+                    eps=norm.params["eps"], mode=rope.params["mode"],
+                    n_rot=rope.params["n_rot"], scale=scale, out_dtype=last.meta.dtype)
+
+    def compile(self, node) -> None:
+        comp = getattr(self.impl, "compile", None)
+        if comp is not None:
+            p = self._parts(node)
+            comp(p["x"].meta, p["w"].meta, p["cos"].meta, p["sin"].meta, p["out_dtype"])
+
+    def prepare(self, node):
+        p = self._parts(node)
+        ws = 0
+        if p["dst"] is not None:  # terminal copy: stage the result (dst may overlap x)
+            m = node.meta
+            n = 1
+            for d in m.shape:
+                n *= int(d)
+            ws = n * m.itemsize
+        return p, ws
+
+    def execute(self, ctx, node, state, inputs, out, workspace) -> None:
+        p = state
+        value = dict(zip(node.srcs, inputs))
+        x, w, cos, sin = (value[p[k]] for k in ("x", "w", "cos", "sin"))
+        kw = dict(eps=p["eps"], mode=p["mode"], n_rot=p["n_rot"], scale=p["scale"])
+        if p["dst"] is None:
+            self.impl.run(x, w, cos, sin, out, **kw)
+            return
+        tmp = workspace[:out.numel() * out.element_size()].view(out.dtype).view(out.shape)
+        self.impl.run(x, w, cos, sin, tmp, **kw)
+        out.copy_(tmp)
+
+
+class ReferenceRmsRope:
+    """A torch implementation of the ``rms_rope`` kernel interface (for tests of the rule and
+    as a model for device kernels); not registered."""
+
+    name = "rms_rope_reference"
+
+    def why_not(self, x, w, cos, sin, out_dtype, mode, n_rot):
+        return None
+
+    def run(self, x, w, cos, sin, out, *, eps, mode, n_rot, scale):
+        out.copy_(rms_rope_reference(x, w, cos, sin, eps, mode, n_rot, scale, out.dtype))
+
+
 fxbackend.register_op(RopeApply)
+fxbackend.register_op(RopeTables)
 fxbackend.register_rewrite(RopeIdiom)

@@ -90,8 +90,9 @@ def test_flux_every_rope_becomes_the_op():
         out = models.run_eager(torch.compile(model, backend="fxbackend"), inputs)
     assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
     s = fxbackend.stats()
-    # tiny Flux: one double-stream and one single-stream block, q and k each
-    assert s["rewrites_by_rule"] == {"rope": 4}
+    # tiny Flux: one double-stream and one single-stream block, q and k each; the QK RMSNorms
+    # (image and text q/k in the double-stream block, q/k in the single-stream one)
+    assert s["rewrites_by_rule"] == {"rope": 4, "rms_norm": 6}
     assert s["steps_by_kernel"]["rope_apply_cpu"] == 4
 
 
@@ -123,3 +124,82 @@ def test_rewrite_rules_are_plain_extensions():
     finally:
         fxbackend.unregister_rewrite(rule)
     assert len(seen) == 1 and seen[0] >= 3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("unbind_dim", [-1, -2])
+def test_16bit_rope_with_float_casts_becomes_one_op_and_stays_exact(dtype, unbind_dim):
+    # diffusers: (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
+    def f(x, cos, sin):
+        return apply_rotary_emb(x, (cos, sin), use_real_unbind_dim=unbind_dim, sequence_dim=2) * 2
+
+    x, cos, sin = _inputs(s=7, d=10)
+    x = x.to(dtype)
+    with torch.no_grad():
+        out = torch.compile(f, backend="fxbackend")(x, cos, sin)
+    assert torch.equal(out, f(x, cos, sin))
+    s = fxbackend.stats()
+    assert s["rewrites_by_rule"] == {"rope": 1}
+    assert s["steps_by_kernel"]["rope_apply_cpu"] == 1
+
+
+def test_16bit_rope_kept_in_float32_is_not_rewritten():
+    # the float32 sum is the result (no cast back): the op (x's dtype out) would round it
+    def f(x, cos, sin):
+        pairs = x.reshape(*x.shape[:-1], -1, 2)
+        real, imag = pairs.unbind(-1)
+        rot = torch.stack([-imag, real], dim=-1).flatten(3)
+        return x.float() * cos + rot.float() * sin
+
+    x, cos, sin = _inputs()
+    x = x.to(torch.bfloat16)
+    with torch.no_grad():
+        out = torch.compile(f, backend="fxbackend")(x, cos, sin)
+    assert torch.equal(out, f(x, cos, sin))
+    assert fxbackend.stats()["rewrites_by_rule"] == {}
+
+
+def _complex_rope(x, freqs):
+    # diffusers' complex form (Lumina): x [B, S, H, D], freqs [B, S, D/2] complex64
+    return apply_rotary_emb(x, freqs, use_real=False) + 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_complex_rope_becomes_tables_and_one_op(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 7, 3, 16, generator=g).to(dtype)
+    freqs = torch.polar(torch.ones(2, 7, 8), torch.randn(2, 7, 8, generator=g) * 3)
+    with torch.no_grad():
+        out = torch.compile(_complex_rope, backend="fxbackend")(x, freqs)
+    ref = _complex_rope(x, freqs)
+    # (a + ib)(c + id) = (ac - bd) + i(bc + ad): the same products and sums as the op
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    s = fxbackend.stats()
+    assert s["rewrites_by_rule"] == {"rope": 1}
+    assert s["steps_by_kernel"]["rope_apply_cpu"] == 1
+    text = fxbackend.explain(_complex_rope, x, freqs)
+    assert "view_as_complex" not in text and "sd.rope_tables.v1(%" in text
+
+
+def test_complex_rope_not_rewritten_when_freqs_broadcast_x():
+    def f(x, freqs):
+        xc = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * freqs).flatten(-2)
+
+    x = torch.randn(1, 5, 8)
+    freqs = torch.polar(torch.ones(3, 5, 4), torch.randn(3, 5, 4))  # more rows than x
+    with torch.no_grad():
+        out = torch.compile(f, backend="fxbackend")(x, freqs)
+    assert torch.equal(out, f(x, freqs))
+    assert fxbackend.stats()["rewrites_by_rule"] == {}
+
+
+def test_rope_tables_op_rejects_real_freqs():
+    from fxbackend.patterns.rope import RopeTables
+    m = fxbackend.TensorMeta((5, 4), (4, 1), torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="complex64"):
+        RopeTables().infer_meta([m], {"part": "cos"})
+    c = fxbackend.TensorMeta((5, 4), (4, 1), torch.complex64, torch.device("cpu"))
+    with pytest.raises(ValueError, match="part"):
+        RopeTables().infer_meta([c], {"part": "tan"})
+    assert RopeTables().infer_meta([c], {"part": "sin"}).shape == (5, 8)
