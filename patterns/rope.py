@@ -345,8 +345,8 @@ class RopeIdiom:
 
 class RmsRopeFusion:
     """Fusion rule ``rms_rope``: ``sd.rms_norm.v1(x, w) -> sd.rope_apply.v1 [-> mul(scalar)]
-    [-> cast to fp16/bf16 | copy_ into an fp16/bf16 tensor]`` as one kernel that reads each row
-    of x once and writes each output row once (meaning: :func:`rms_rope_reference`).
+    [-> cast to fp16/bf16 | copy or copy_ into an fp16/bf16 tensor]`` as one kernel that reads
+    each row of x once and writes each output row once (meaning: :func:`rms_rope_reference`).
 
     ``impl`` is the device kernel: an object with ``name``,
     ``why_not(x, w, cos, sin, out_dtype, mode, n_rot) -> str | None`` (metadata only; a reason
@@ -371,7 +371,26 @@ class RmsRopeFusion:
 
     # -- matching ----------------------------------------------------------------------------
     @staticmethod
-    def _chain(graph, i: int) -> list | None:
+    def _is_scale(n, prev) -> bool:
+        other = n.params.get("other")
+        return n.op == "aten.mul.Tensor" and n.srcs == [prev] and \
+            isinstance(other, (int, float)) and not isinstance(other, bool) and \
+            isinstance(n.meta, TensorMeta) and n.meta.dtype == prev.meta.dtype
+
+    @staticmethod
+    def _is_half_copy(n, prev, rope) -> bool:
+        if any(is_cast_to(n, dt) for dt in _HALF) and n.srcs == [prev]:
+            return True
+        if n.op == "aten.copy.default" and len(n.srcs) == 2 and n.srcs[1] is prev and \
+                n.srcs[0] is not prev and isinstance(n.meta, TensorMeta) and \
+                n.meta.dtype in _HALF and tuple(n.meta.shape) == tuple(rope.meta.shape) and \
+                not n.params.get("non_blocking"):
+            return True  # functionalised x.copy_(y): a cast into x's dtype (x gives no values)
+        return n.op == "aten.copy_.default" and len(n.srcs) == 2 and n.srcs[1] is prev and \
+            n.inplace_of is n.srcs[0] and isinstance(n.meta, TensorMeta) and \
+            n.meta.dtype in _HALF and tuple(n.meta.shape) == tuple(rope.meta.shape)
+
+    def _chain(self, graph, i: int) -> list | None:
         """The nodes of the chain starting at ``i`` (norm, rope[, scale][, cast/copy])."""
         nodes = graph.nodes
         if i + 1 >= len(nodes):
@@ -382,20 +401,11 @@ class RmsRopeFusion:
             return None
         chain = [norm, rope]
         k = i + 2
-        if k < len(nodes) and nodes[k].op == "aten.mul.Tensor" and nodes[k].srcs == [rope] and \
-                isinstance(nodes[k].params.get("other"), (int, float)) and \
-                not isinstance(nodes[k].params.get("other"), bool) and \
-                isinstance(nodes[k].meta, TensorMeta) and nodes[k].meta.dtype == rope.meta.dtype:
+        if k < len(nodes) and self._is_scale(nodes[k], rope):
             chain.append(nodes[k])
             k += 1
-        if k < len(nodes):
-            c = nodes[k]
-            if any(is_cast_to(c, dt) for dt in _HALF) and c.srcs == [chain[-1]]:
-                chain.append(c)
-            elif c.op == "aten.copy_.default" and len(c.srcs) == 2 and c.srcs[1] is chain[-1] \
-                    and c.inplace_of is c.srcs[0] and isinstance(c.meta, TensorMeta) \
-                    and c.meta.dtype in _HALF and tuple(c.meta.shape) == tuple(rope.meta.shape):
-                chain.append(c)
+        if k < len(nodes) and self._is_half_copy(nodes[k], chain[-1], rope):
+            chain.append(nodes[k])
         return chain
 
     def match(self, graph, i: int) -> int:
@@ -410,13 +420,25 @@ class RmsRopeFusion:
         return 0 if why is not None else len(chain)
 
     def optimize(self, graph) -> None:
+        """Make each norm -> rope [-> scale] [-> cast] chain consecutive (see the class doc)."""
+        users = graph.users()
         for rope in [n for n in graph.nodes if n.op == RopeApply.name]:
             norm = rope.srcs[0]
-            if norm.op != RmsNormName or norm not in graph.nodes:
+            if norm.op != RmsNormName:
                 continue
-            i, j = graph.nodes.index(norm), graph.nodes.index(rope)
-            if i < j - 1:
-                fxbackend.graph_delay(graph, i, i + 1, j - 1)
+            chain = [norm, rope]
+            nxt = users.get(rope, [])
+            if len(nxt) == 1 and self._is_scale(nxt[0], rope):
+                chain.append(nxt[0])
+            nxt = users.get(chain[-1], [])
+            if len(nxt) == 1 and self._is_half_copy(nxt[0], chain[-1], rope):
+                chain.append(nxt[0])
+            # move the done prefix down to just before the next node of the chain
+            for k in range(1, len(chain)):
+                start = graph.nodes.index(chain[0])
+                j = graph.nodes.index(chain[k])
+                if j != start + k and not fxbackend.graph_delay(graph, start, start + k, j - 1):
+                    break
 
     # -- running -----------------------------------------------------------------------------
     def _parts(self, node) -> dict:

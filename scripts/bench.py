@@ -23,6 +23,16 @@ initialisation cost does not land on the first model.  Inductor runs with a cold
 temporary ``TORCHINDUCTOR_CACHE_DIR`` for the whole run (set before torch is imported, removed
 at exit); ``--inductor-warm`` keeps the default (or the environment's) cache instead.
 
+**kernel caches**: fxbackend compiles its numba (CPU) and Triton (CUDA) kernels at plan time
+and caches them on disk.  For every model, unless ``--no-kernel-cache-runs``, two child
+processes share one fresh, empty kernel-cache folder (``NUMBA_CACHE_DIR`` and
+``TRITON_CACHE_DIR``): each pays Dynamo's start-up as above and traces the model once with
+Dynamo's ``eager`` backend (untimed), then times aot_eager's first call and fxbackend's.  In
+the first child fxbackend's caches are cold (every kernel compiles), in the second they are
+warm (loaded from disk), as in a new process on a deployed machine.  The table shows
+fxbackend's first call over aot_eager's for both (``1st cold`` / ``1st warm``).  In the main
+process the kernels compiled for one model stay loaded for the next.
+
 ``--dynamic`` compiles with ``dynamic=True`` and, after the main (first) resolution, also calls
 the model at the config's second resolution and reports that call's time and max error.
 
@@ -99,6 +109,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="weights and inputs seed (default 0)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads (default: leave torch's default)")
+    p.add_argument("--no-kernel-cache-runs", action="store_true",
+                   help="skip the per-model child processes that time first calls with cold "
+                        "and warm kernel caches")
+    p.add_argument("--child-first-call", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     bad = [b for b in args.backends if b not in ALL_BACKENDS]
@@ -359,6 +373,64 @@ def reference(family, size, resolution, args, device, dtype):
     return out
 
 
+# -- first calls with cold and warm kernel caches (child processes) -------------------------
+
+def child_first_call(args):
+    """Child mode: time aot_eager's and fxbackend's first call of one model; print JSON."""
+    family, size = args.child_first_call.split("/")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    warm_up_backends(["aot_eager", "fxbackend"], device, dtype, args.fxbackend_options)
+    res1 = tuple(MODEL_CONFIGS[(family, size)]["inputs"]["resolutions"][0])
+    out = {}
+    # untimed: one Dynamo trace of this model (backend "eager"), so one-time costs of the
+    # model's code (lazy imports, first tracing of its modules) land on neither timed backend
+    for b in ("eager", "aot_eager", "fxbackend"):
+        model = build_model(family, size, dtype=dtype, device=device, seed=args.seed)
+        inputs = make_inputs(family, size, resolution=res1, dtype=dtype, device=device,
+                             seed=args.seed)
+        torch._dynamo.reset()
+        kw = {"options": args.fxbackend_options} if b == "fxbackend" and \
+            args.fxbackend_options else {}
+        fn = torch.compile(model, backend=b, **kw)
+        with torch.no_grad():
+            _, t = timed_call(lambda: fn(**inputs), device)
+        if b != "eager":
+            out[b] = t
+        del fn, model
+    print("CHILD_RESULT " + json.dumps(out), flush=True)
+
+
+def kernel_cache_runs(family, size, args):
+    """Run :func:`child_first_call` twice in fresh processes sharing one new kernel-cache
+    folder: cold, then warm.  Returns ``{"cold": {...}, "warm": {...}}`` (or an error)."""
+    import subprocess
+    folder = tempfile.mkdtemp(prefix="fxb_bench_kernels_")
+    env = dict(os.environ, NUMBA_CACHE_DIR=os.path.join(folder, "numba"),
+               TRITON_CACHE_DIR=os.path.join(folder, "triton"))
+    argv = [sys.executable, os.path.abspath(__file__), "--child-first-call", f"{family}/{size}",
+            "--dtype", args.dtype, "--seed", str(args.seed),
+            "--fxbackend-options", json.dumps(args.fxbackend_options)]
+    if args.device:
+        argv += ["--device", args.device]
+    if args.threads:
+        argv += ["--threads", str(args.threads)]
+    out = {}
+    try:
+        for mode in ("cold", "warm"):
+            p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1800)
+            line = next((ln for ln in p.stdout.splitlines() if ln.startswith("CHILD_RESULT ")),
+                        None)
+            if p.returncode != 0 or line is None:
+                return {"error": f"{mode} child exited {p.returncode}: {p.stderr[-800:]}"}
+            out[mode] = json.loads(line[len("CHILD_RESULT "):])
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return out
+
+
 # -- reporting --------------------------------------------------------------------------------
 
 def ratio(a, b):
@@ -381,6 +453,13 @@ def model_ratios(backends):
         "inductor_steady_over_fxbackend_steady": ratio(get("inductor", "steady_ms"),
                                                        get("fxbackend", "steady_ms")),
     }
+
+
+def cache_ratios(runs):
+    """fxbackend first call / aot_eager first call in the cold and the warm child."""
+    return {f"fxbackend_first_over_aot_eager_first_{m}":
+            ratio(runs.get(m, {}).get("fxbackend"), runs.get(m, {}).get("aot_eager"))
+            for m in ("cold", "warm")}
 
 
 def fmt(v, spec, missing="-"):
@@ -416,6 +495,11 @@ def print_table(results, args, device):
         return get
 
     cols.append(("ratios", "fxb/aot 1st", 11, rat("fxbackend_first_over_aot_eager_first")))
+    if not args.no_kernel_cache_runs and "fxbackend" in backends:
+        cols.append(("ratios", "1st cold", 8,
+                     rat("fxbackend_first_over_aot_eager_first_cold")))
+        cols.append(("ratios", "1st warm", 8,
+                     rat("fxbackend_first_over_aot_eager_first_warm")))
     cols.append(("ratios", "eager/fxb", 9, rat("eager_steady_over_fxbackend_steady")))
     cols.append(("ratios", "ind/fxb", 7, rat("inductor_steady_over_fxbackend_steady")))
     if "fxbackend" in backends:
@@ -559,6 +643,19 @@ def main(args):
                     msg += f"; res2 ERROR {r['error_res2'][:300]}"
                 print(msg + f"  [{r['wall_s']:.0f} s]", flush=True)
         row["ratios"] = model_ratios(row["backends"])
+        if not args.no_kernel_cache_runs and "fxbackend" in args.backends:
+            t0 = time.perf_counter()
+            runs = kernel_cache_runs(family, size, args)
+            row["kernel_cache_runs"] = runs
+            row["ratios"].update(cache_ratios(runs))
+            if "error" in runs:
+                print(f"[{row['model']}] kernel-cache runs: ERROR {runs['error']}", flush=True)
+            else:
+                print(f"[{row['model']}] first calls in new processes (aot_eager / fxbackend): "
+                      f"cold kernel cache {runs['cold']['aot_eager']:.2f} / "
+                      f"{runs['cold']['fxbackend']:.2f} s, warm "
+                      f"{runs['warm']['aot_eager']:.2f} / {runs['warm']['fxbackend']:.2f} s"
+                      f"  [{time.perf_counter() - t0:.0f} s]", flush=True)
         meta["total_s"] = time.perf_counter() - t_start
         write_json(args.json, payload)
 
@@ -567,7 +664,8 @@ def main(args):
     write_json(args.json, payload)
     print()
     print_table(results, args, device)
-    print(f"\nratios: fxb/aot 1st = fxbackend first call / aot_eager first call; eager/fxb and "
+    print(f"\nratios: fxb/aot 1st = fxbackend first call / aot_eager first call (1st cold / "
+          f"1st warm: the same in new processes with cold / warm kernel caches); eager/fxb and "
           f"ind/fxb = steady-state speed-up of fxbackend over eager / inductor (>1: fxbackend "
           f"faster). arena/interm MB: fxbackend arena vs. sum of intermediates.")
     print(f"total {meta['total_s']:.0f} s; load average at the end {meta['loadavg_end']} on "
@@ -577,4 +675,7 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(ARGS)
+    if ARGS.child_first_call:
+        child_first_call(ARGS)
+    else:
+        main(ARGS)

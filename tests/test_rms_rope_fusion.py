@@ -1,0 +1,202 @@
+"""The ``rms_rope`` fusion rule (patterns/rope.py): RMSNorm -> Mul(weight) -> RoPE [-> Scale]
+[-> cast / copy to fp16/bf16] as one step, on written-out diffusers code and on Flux.
+
+The rule logic is tested here with the torch implementation of the kernel interface
+(``ReferenceRmsRope``) registered under a test name; the device kernels have their own tests
+(tests/test_rms_rope_cpu.py, tests/test_rms_rope_cuda.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.normalization import RMSNorm
+
+import fxbackend
+from fxbackend.patterns.rope import ReferenceRmsRope, RmsRopeFusion, rms_rope_reference
+
+
+class _Impl(ReferenceRmsRope):
+    def __init__(self, decline: str | None = None) -> None:
+        self.decline = decline
+        self.calls = 0
+
+    def why_not(self, *a):
+        return self.decline
+
+    def run(self, *a, **kw):
+        self.calls += 1
+        super().run(*a, **kw)
+
+
+@pytest.fixture
+def rule():
+    """The rule registered for "cpu" with the torch implementation, above any device rule."""
+    r = RmsRopeFusion(_Impl())
+    r.name = "rms_rope_test"
+    r.priority = 100
+    fxbackend.register_fusion("cpu", r)
+    yield r
+    fxbackend.unregister_fusion("cpu", r)
+
+
+def _attention_inputs(dtype=torch.float32, s=6, h=2, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, s, h * d, generator=g).to(dtype)
+    k = torch.randn(1, s, h * d, generator=g).to(dtype)
+    cos = torch.randn(s, d, generator=g)
+    sin = torch.randn(s, d, generator=g)
+    return q, k, cos, sin
+
+
+class _QK(torch.nn.Module):
+    """Flux's order: norm_q(q); norm_k(k); rope(q); rope(k) (the chains interleave)."""
+
+    def __init__(self, d=8, h=2, dtype=torch.float32, scale=None, out_dtype=None):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.h, self.scale, self.out_dtype = h, scale, out_dtype
+        self.norm_q, self.norm_k = RMSNorm(d, eps=1e-6), RMSNorm(d, eps=1e-6)
+        for n in (self.norm_q, self.norm_k):
+            n.weight.data = (torch.rand(d, generator=g) + 0.5).to(dtype)
+
+    def forward(self, q, k, cos, sin):
+        q = self.norm_q(q.unflatten(-1, (self.h, -1)))
+        k = self.norm_k(k.unflatten(-1, (self.h, -1)))
+        q = apply_rotary_emb(q, (cos, sin), sequence_dim=1)
+        k = apply_rotary_emb(k, (cos, sin), sequence_dim=1)
+        if self.scale is not None:
+            q, k = q * self.scale, k * self.scale
+        if self.out_dtype is not None:
+            q, k = q.to(self.out_dtype), k.to(self.out_dtype)
+        return q.transpose(1, 2), k.transpose(1, 2)
+
+
+def _run(mod, *args, options=None):
+    with torch.no_grad():
+        return torch.compile(mod, backend="fxbackend", options=options)(*args), mod(*args)
+
+
+def test_interleaved_q_and_k_chains_both_fuse(rule):
+    args = _attention_inputs()
+    (q, k), (rq, rk) = _run(_QK(), *args)
+    torch.testing.assert_close(q, rq, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k, rk, rtol=1e-5, atol=1e-5)
+    s = fxbackend.stats()
+    assert s["rewrites_by_rule"] == {"rms_norm": 2, "rope": 2}
+    assert s["fusions_by_rule"] == {"rms_rope_test": 2}
+    assert rule.impl.calls == 2
+
+
+def test_fused_equals_unfused(rule):
+    args = _attention_inputs(s=9)
+    mod = _QK()
+    with torch.no_grad():
+        fused = torch.compile(mod, backend="fxbackend")(*args)
+        torch._dynamo.reset()
+        unfused = torch.compile(mod, backend="fxbackend", options={"fusion": False})(*args)
+    for a, b in zip(fused, unfused):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, torch.bfloat16),
+                                             (torch.bfloat16, None),
+                                             (torch.float32, torch.float16)])
+def test_scale_and_cast_join_the_fused_step(rule, dtype, out_dtype):
+    args = _attention_inputs(dtype)
+    mod = _QK(dtype=dtype, scale=0.125, out_dtype=out_dtype)
+    text = fxbackend.explain(mod, *args)
+    fused = [ln for ln in text.splitlines() if "fused.rms_rope_test" in ln]
+    assert len(fused) == 2, text
+    want = out_dtype or dtype
+    assert all({torch.bfloat16: "bf16[", torch.float16: "f16["}.get(want, "f32[") in ln
+               for ln in fused)
+    (q, k), (rq, rk) = _run(mod, *args)
+    tol = dict(rtol=1e-5, atol=1e-5) if want == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(q, rq, **tol)
+    torch.testing.assert_close(k, rk, **tol)
+
+
+def test_copy_back_into_the_normalised_input_joins_the_step(rule):
+    # x.copy_(rope(norm(x)) * s), functionalised: copy(x, r) then copy_(x, _) at the end
+    w = torch.rand(8) + 0.5
+
+    def f(x, w, cos, sin):
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        n = (x * torch.rsqrt(var + 1e-6)).to(torch.bfloat16) * w
+        r = apply_rotary_emb(n, (cos, sin), sequence_dim=1) * 0.5
+        x.copy_(r)
+        return x.sum()
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 6, 2, 8, generator=g).to(torch.bfloat16)
+    cos, sin = torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g)
+    wb = w.to(torch.bfloat16)
+    want = x.clone()
+    f(want, wb, cos, sin)
+    got = x.clone()
+    with torch.no_grad():
+        torch.compile(f, backend="fxbackend")(got, wb, cos, sin)
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    assert fxbackend.stats()["fusions_by_rule"] == {"rms_rope_test": 1}
+    # norm, rope, scale and the functionalised copy (a cast into x's dtype): one step
+    text = fxbackend.explain(f, x.clone(), wb, cos, sin)
+    assert "aten.copy.default" not in text and "aten.mul.Tensor" not in text, text
+
+
+def test_rule_declines_when_the_kernel_does():
+    r = RmsRopeFusion(_Impl(decline="no kernel for this"))
+    r.name = "rms_rope_declining"
+    r.priority = 100
+    fxbackend.register_fusion("cpu", r)
+    try:
+        args = _attention_inputs()
+        (q, _), (rq, _) = _run(_QK(), *args)
+    finally:
+        fxbackend.unregister_fusion("cpu", r)
+    torch.testing.assert_close(q, rq, rtol=1e-5, atol=1e-5)
+    assert "rms_rope_declining" not in fxbackend.stats()["fusions_by_rule"]
+    assert r.impl.calls == 0
+
+
+def test_reference_is_the_unfused_chain():
+    from fxbackend.patterns.rmsnorm import rms_norm_reference
+    from fxbackend.patterns.rope import rope_reference
+    q, _, cos, sin = _attention_inputs(torch.bfloat16)
+    x = q.unflatten(-1, (2, -1))
+    w = torch.rand(8).to(torch.bfloat16)
+    want = (rope_reference(rms_norm_reference(x, w, 1e-6), cos[:, None], sin[:, None],
+                           "interleaved", 8) * 0.5).to(torch.float16)
+    got = rms_rope_reference(x, w, cos[:, None], sin[:, None], 1e-6, "interleaved", 8, 0.5,
+                             torch.float16)
+    assert torch.equal(got, want)
+
+
+def test_terminal_copy_into_an_input_it_reads_goes_through_workspace(rule):
+    # a hand-built graph: copy_(x, rope(norm(x, w)) * 0.5) writes the storage the step reads
+    from test_fusion import GraphBuilder
+    aten = torch.ops.aten
+    b = GraphBuilder()
+    x = b.input(1, 6, 2, 8, dtype=torch.bfloat16)
+    w = b.input(8, dtype=torch.bfloat16)
+    cos, sin = b.input(6, 8), b.input(6, 8)
+    cu, su = b.op(aten.unsqueeze.default, cos, 1), b.op(aten.unsqueeze.default, sin, 1)
+    norm = fxbackend.op_create(b.g, "sd.rms_norm.v1", [x, w], {"eps": 1e-6})
+    rope = fxbackend.op_create(b.g, "sd.rope_apply.v1", [norm, cu, su],
+                               {"mode": "interleaved", "n_rot": 8})
+    scaled = b.op(aten.mul.Tensor, rope, 0.5)
+    write = b.op(aten.copy_.default, x, scaled)
+    assert write.inplace_of is x
+    g = b.output(write)
+    gen = torch.Generator().manual_seed(7)
+    args = [torch.randn(1, 6, 2, 8, generator=gen).to(torch.bfloat16),
+            (torch.rand(8, generator=gen) + 0.5).to(torch.bfloat16),
+            torch.randn(6, 8, generator=gen), torch.randn(6, 8, generator=gen)]
+    want = rms_rope_reference(args[0], args[1], args[2][:, None], args[3][:, None], 1e-6,
+                              "interleaved", 8, 0.5, torch.bfloat16)
+    plan = fxbackend.CompiledGraph(g, fxbackend.Options()).plan_for(args)
+    assert [n.op for n in plan.graph.nodes if not n.is_input and n.view_of is None] == \
+        ["fused.rms_rope_test"]
+    assert plan.workspace_bytes >= want.numel() * 2
+    (out,) = plan(*args)
+    assert torch.equal(args[0], want)  # the input holds the result...
+    assert out.data_ptr() == args[0].data_ptr()  # ...and the output is that input
