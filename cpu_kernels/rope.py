@@ -114,8 +114,8 @@ def _jit():
             from numba.extending import overload, register_jitable
 
             prange = numba.prange
-            for fn in (_var_offsets, _bcast_offsets, _bf16_to_f32, _f32_to_bf16, _f16_to_f32,
-                       _f32_to_f16):
+            for fn in (_var_offsets, _bcast_offsets, _tile_offsets, _bf16_to_f32, _f32_to_bf16,
+                       _f16_to_f32, _f32_to_f16):
                 register_jitable(fn)
             for fn in (_row_interleaved, _row_split_half):
                 # inlined into the kernel in numba's IR: LLVM then sees the row slices' bounds
@@ -267,6 +267,19 @@ def _row_split_half(xr, cr, sr, orow, n_rot):
         _store(orow, p + h, b * _load(cr, p + h) + a * _load(sr, p + h))
 
 
+def _tile_offsets(v0, nt, vt):
+    """``[nt, 4]`` offsets in x, out, cos, sin of the cos rows ``v0 .. v0 + nt - 1`` (a task's
+    tile; also used by ``cpu_kernels/rms_rope.py``)."""
+    voff = np.empty((nt, 4), np.int64)
+    for j in range(nt):
+        o0, o1, o2, o3 = _var_offsets(v0 + j, vt)
+        voff[j, 0] = o0
+        voff[j, 1] = o1
+        voff[j, 2] = o2
+        voff[j, 3] = o3
+    return voff
+
+
 def _rope_kernel(x, cos, sin, out, vt, bt, d, n_rot, tile, bchunk, interleaved):
     """Rows are pairs (v, b): v indexes the rows of cos/sin (table ``vt``), b the dims they are
     broadcast over (table ``bt``).  A task is a tile of ``tile`` values of v by a chunk of b, and
@@ -287,13 +300,7 @@ def _rope_kernel(x, cos, sin, out, vt, bt, d, n_rot, tile, bchunk, interleaved):
         nt = min(nv - v0, tile)
         b0 = (tk % nbc) * bchunk
         b1 = min(nb, b0 + bchunk)
-        voff = np.empty((nt, 4), np.int64)
-        for j in range(nt):
-            o0, o1, o2, o3 = _var_offsets(v0 + j, vt)
-            voff[j, 0] = o0
-            voff[j, 1] = o1
-            voff[j, 2] = o2
-            voff[j, 3] = o3
+        voff = _tile_offsets(v0, nt, vt)
         for b in range(b0, b1):
             bx, bo = _bcast_offsets(b, bt)
             for j in range(nt):
@@ -384,15 +391,19 @@ def _flat(t: torch.Tensor, span: int) -> np.ndarray:
     return torch.as_strided(t, (span,), (1,)).numpy()
 
 
+def _bchunk(lay: _Layout, threads: int) -> int:
+    """Broadcast indices per task: enough tasks to balance the threads (the broadcast dims are
+    split when there are few tiles).  Also used by ``cpu_kernels/rms_rope.py``."""
+    ntiles = -(-lay.nv // lay.tile)
+    nbc = min(lay.nb, max(1, -(-4 * threads // ntiles)))
+    return -(-lay.nb // nbc)
+
+
 def _launch(mode: str, n_rot: int, lay: _Layout, x, cos, sin, out) -> None:
     if lay.spans[0] == 0:
         return
     fn = _jit()
-    threads = _set_threads()
-    # enough tasks to balance the threads: split the broadcast dims when there are few tiles
-    ntiles = -(-lay.nv // lay.tile)
-    nbc = min(lay.nb, max(1, -(-4 * threads // ntiles)))
-    bchunk = -(-lay.nb // nbc)
+    bchunk = _bchunk(lay, _set_threads())
     fn(_flat(x, lay.spans[0]), _flat(cos, lay.spans[1]), _flat(sin, lay.spans[2]),
        _flat(out, out.numel()), lay.vt, lay.bt, x.shape[-1], n_rot, lay.tile, bchunk,
        mode == "interleaved")

@@ -1,3 +1,3 @@
 """fxbackend.cuda_kernels: filled in by the pattern and kernel issues."""
 
-from . import rope  # noqa: F401
+from . import rms_rope, rmsnorm, rope  # noqa: F401

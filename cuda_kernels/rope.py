@@ -156,6 +156,22 @@ def _expanded_strides(shape: tuple, stride: tuple, target: tuple) -> list:
     return out
 
 
+def _merge_lead_dims(lead: tuple, *strides: tuple) -> list:
+    """``(size, stride of each tensor...)`` per leading dim after merging, outermost first: size-1
+    dims dropped, dim k+1 folded into dim k where every tensor steps contiguously from one to the
+    other.  Not padded and not limited to MAX_LEAD_DIMS (the caller checks).  Also used by
+    ``rmsnorm.py`` and ``rms_rope.py``."""
+    dims: list = []
+    for n, *st in zip(lead, *strides):
+        if n == 1:
+            continue
+        if dims and all(s1 == s * n for s1, s in zip(dims[-1][1:], st)):
+            dims[-1] = (dims[-1][0] * n, *st)
+            continue
+        dims.append((n, *st))
+    return dims
+
+
 def _plan(x_shape, x_stride, cos_shape, cos_stride, sin_shape, sin_stride, mode: str,
           n_rot: int) -> _Launch:
     """Launch parameters for these shapes and strides; ValueError for arguments the kernel
@@ -179,17 +195,7 @@ def _plan(x_shape, x_stride, cos_shape, cos_stride, sin_shape, sin_stride, mode:
     target = lead + (n_rot,)
     cs = _expanded_strides(tuple(cos_shape), tuple(cos_stride), target)
     ss = _expanded_strides(tuple(sin_shape), tuple(sin_stride), target)
-    # merge: drop size-1 dims; fold dim k+1 into dim k where every tensor steps contiguously
-    dims: list = []
-    for n, a, b, c in zip(lead, x_stride[:-1], cs[:-1], ss[:-1]):
-        if n == 1:
-            continue
-        if dims:
-            _, a1, b1, c1 = dims[-1]
-            if a1 == a * n and b1 == b * n and c1 == c * n:
-                dims[-1] = (dims[-1][0] * n, a, b, c)
-                continue
-        dims.append((n, a, b, c))
+    dims = _merge_lead_dims(lead, x_stride[:-1], cs[:-1], ss[:-1])
     if len(dims) > MAX_LEAD_DIMS:
         raise ValueError(f"x's leading dims {lead} with strides {tuple(x_stride[:-1])} (and "
                          f"cos/sin's) merge to {len(dims)} dims; the kernel takes at most "

@@ -350,7 +350,8 @@ class RmsRopeFusion:
 
     ``impl`` is the device kernel: an object with ``name``,
     ``why_not(x, w, cos, sin, out_dtype, mode, n_rot) -> str | None`` (metadata only; a reason
-    declines the range), optional ``compile(x, w, cos, sin, out_dtype)`` (plan time) and
+    declines the range), optional ``compile(x, w, cos, sin, out_dtype, mode, n_rot, scale)``
+    (plan time; metadata) and
     ``run(x, w, cos, sin, out, eps=, mode=, n_rot=, scale=)`` writing a contiguous ``out``
     that overlaps no input.  ``cpu_kernels/rms_rope.py`` and ``cuda_kernels/rms_rope.py``
     register one rule each.
@@ -456,7 +457,8 @@ class RmsRopeFusion:
         comp = getattr(self.impl, "compile", None)
         if comp is not None:
             p = self._parts(node)
-            comp(p["x"].meta, p["w"].meta, p["cos"].meta, p["sin"].meta, p["out_dtype"])
+            comp(p["x"].meta, p["w"].meta, p["cos"].meta, p["sin"].meta, p["out_dtype"],
+                 p["mode"], p["n_rot"], p["scale"])
 
     def prepare(self, node):
         p = self._parts(node)

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Benchmark ``sd.rope_apply.v1`` on the CPU: eager, Inductor and the numba kernel.
+"""Benchmark ``sd.rope_apply.v1`` and the fused RMSNorm -> RoPE on the CPU: eager, Inductor and
+the numba kernels.
 
 Shapes come from :data:`CONFIGS` (real model attention sizes at 1024x1024 / typical lengths).
 For each selected config, on the CPU, it times (median of ``--calls`` calls after ``--warmup``
@@ -16,6 +17,10 @@ timed call):
 * ``fxbackend``: a one-node ``CompiledGraph`` (``sd.rope_apply.v1`` -> ``rope_apply_cpu``),
   called through its fast path ``run`` (includes the executor and a fresh output per call, as
   eager and Inductor also allocate theirs).
+
+Fused configs (:data:`FUSED_CONFIGS`, marked ``*``): diffusers' ``RMSNorm`` (head dim, with
+weight) then ``apply_rotary_emb`` as Flux runs them on q and k, against Inductor on the same
+function and the fused kernel ``rms_rope_cpu`` (see :func:`bench_fused`).
 
 Achieved bandwidth: ``(bytes of x read + cos + sin + bytes of out written) / time`` (each
 element counted once: the minimum traffic).  Ratios printed: eager / kernel and inductor /
@@ -69,11 +74,20 @@ CONFIGS = {
 }
 
 
+#: the fused chain RMSNorm(head dim, weight) -> RoPE, as Flux's attention runs it on q and k:
+#: name -> (B, S, H, D, n_rot, mode, model); x is [B, S, H, D], cos/sin [S, n_rot] (eager) or
+#: [S, 1, n_rot] (the kernel)
+FUSED_CONFIGS = {
+    "flux_qk_norm_rope": (1, 4096, 24, 128, 128, "interleaved", "Flux.1 1024px norm_q + RoPE"),
+}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default=",".join(CONFIGS),
-                   help=f"comma-separated configs (default: all of {', '.join(CONFIGS)})")
+    p.add_argument("--configs", default=",".join(list(CONFIGS) + list(FUSED_CONFIGS)),
+                   help=f"comma-separated configs (default: all of "
+                        f"{', '.join(list(CONFIGS) + list(FUSED_CONFIGS))})")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="x's dtype (cos/sin stay float32, as diffusers computes them)")
     p.add_argument("--warmup", type=int, default=2)
@@ -203,6 +217,79 @@ def bench_config(name, cfg, args, dtype):
     return res
 
 
+def bench_fused(name, cfg, args, dtype):
+    """RMSNorm -> Mul(weight) -> RoPE: diffusers' RMSNorm + apply_rotary_emb (eager), Inductor
+    on the same function, and the fused numba kernel (``rms_rope_cpu``) into a preallocated
+    ``out``.  Bytes: x, weight, cos, sin read once and out written once."""
+    from diffusers.models.embeddings import apply_rotary_emb
+    from diffusers.models.normalization import RMSNorm
+
+    from fxbackend.cpu_kernels import rms_rope
+    from fxbackend.patterns.rope import rms_rope_reference
+    B, S, H, D, n_rot, mode, model = cfg
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(B, S, H, D, generator=g).to(dtype)
+    norm = RMSNorm(D, eps=1e-6)
+    norm.weight.data = (torch.rand(D, generator=g) + 0.5).to(dtype)
+    w = norm.weight.data
+    ang = torch.rand(S, n_rot, generator=g) * 6.3
+    cos2, sin2 = ang.cos(), ang.sin()
+    cos, sin = cos2[:, None, :], sin2[:, None, :]
+    unbind = -1 if mode == "interleaved" else -2
+
+    def eager(x, cos, sin):
+        return apply_rotary_emb(norm(x), (cos, sin), use_real=True, use_real_unbind_dim=unbind,
+                                sequence_dim=1)
+
+    out = torch.empty(x.shape, dtype=dtype)
+    impls = {"eager": lambda: eager(x, cos2, sin2)}
+    res = {"config": name, "model": model, "shape": list(x.shape), "cos_shape": list(cos.shape),
+           "mode": mode, "n_rot": n_rot, "dtype": str(dtype).replace("torch.", ""),
+           "errors": {}, "compile_s": {}, "fused": True}
+    with torch.no_grad():
+        if not args.no_inductor:
+            torch._dynamo.reset()
+            ind = torch.compile(eager, dynamic=False)
+            t0 = time.perf_counter()
+            ind(x, cos2, sin2)
+            res["compile_s"]["inductor"] = time.perf_counter() - t0
+            impls["inductor"] = lambda: ind(x, cos2, sin2)
+        t0 = time.perf_counter()
+        rms_rope.compile_kernels(x.dtype, w.dtype, cos.dtype, sin.dtype, out.dtype)
+        rms_rope.rms_rope_cpu(x, w, cos, sin, out, eps=1e-6, mode=mode, n_rot=n_rot)
+        res["compile_s"]["kernel_first_call"] = time.perf_counter() - t0
+        impls["kernel"] = lambda: rms_rope.rms_rope_cpu(x, w, cos, sin, out, eps=1e-6,
+                                                        mode=mode, n_rot=n_rot)
+        want = rms_rope_reference(x, w, cos, sin, 1e-6, mode, n_rot).float()
+        scale = want.abs().max().item()
+        for k, f in impls.items():
+            got = f().float()
+            res["errors"][k] = (got - want).abs().max().item() / scale
+        times = {k: [] for k in impls}
+        for f in impls.values():
+            for _ in range(args.warmup):
+                f()
+        for _ in range(args.rounds):
+            for k, f in impls.items():
+                for _ in range(args.calls):
+                    t0 = time.perf_counter()
+                    f()
+                    times[k].append(time.perf_counter() - t0)
+    nbytes = sum(t.numel() * t.element_size() for t in (x, w, cos, sin, out))
+    res["bytes"] = nbytes
+    res["times_s"] = times
+    res["median_ms"] = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    res["min_ms"] = {k: min(v) * 1e3 for k, v in times.items()}
+    res["gbps"] = {k: nbytes / (m * 1e-3) / 1e9 for k, m in res["median_ms"].items()}
+    kern = res["median_ms"]["kernel"]
+    res["speedup_vs_eager"] = res["median_ms"]["eager"] / kern
+    if "inductor" in res["median_ms"]:
+        res["speedup_vs_inductor"] = res["median_ms"]["inductor"] / kern
+    res["fxbackend_steps"] = {}
+    res["loadavg"] = os.getloadavg()
+    return res
+
+
 _COMPILE_PROBE = r"""
 import json, sys, time
 import torch
@@ -243,8 +330,9 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype)
     names = [c for c in args.configs.split(",") if c]
     for n in names:
-        if n not in CONFIGS:
-            sys.exit(f"unknown config {n!r}; known: {', '.join(CONFIGS)}")
+        if n not in CONFIGS and n not in FUSED_CONFIGS:
+            sys.exit(f"unknown config {n!r}; known: "
+                     f"{', '.join(list(CONFIGS) + list(FUSED_CONFIGS))}")
     report = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
               "host": platform.node(), "cpu_count": os.cpu_count(),
               "torch": torch.__version__, "threads": torch.get_num_threads(),
@@ -258,7 +346,8 @@ def main(argv=None):
     if not args.no_compile_times:
         report["numba_compile"] = compile_times()
     for n in names:
-        res = bench_config(n, CONFIGS[n], args, dtype)
+        res = (bench_config(n, CONFIGS[n], args, dtype) if n in CONFIGS
+               else bench_fused(n, FUSED_CONFIGS[n], args, dtype))
         report["results"].append(res)
         print(f"done {n}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in res["median_ms"].items()),
               file=sys.stderr)
@@ -272,8 +361,8 @@ def main(argv=None):
 
 def print_table(report):
     impls = ("eager", "inductor", "kernel", "fxbackend")
-    print(f"\nsd.rope_apply.v1 on CPU ({report['threads']} threads, torch {report['torch']}), "
-          "median ms (GB/s)")
+    print(f"\nsd.rope_apply.v1 and the fused RMSNorm -> RoPE (rows marked *) on CPU "
+          f"({report['threads']} threads, torch {report['torch']}), median ms (GB/s)")
     head = f"{'config':22} {'x shape':18} {'dtype':9}" + "".join(f"{k:>18}" for k in impls) + \
         f"{'eager/kern':>11}{'ind/kern':>9}"
     print(head)
@@ -286,7 +375,8 @@ def print_table(report):
             else:
                 cells += f"{'-':>18}"
         si = r.get("speedup_vs_inductor")
-        print(f"{r['config']:22} {'x'.join(map(str, r['shape'])):18} {r['dtype']:9}{cells}"
+        label = r["config"] + ("*" if r.get("fused") else "")
+        print(f"{label:22} {'x'.join(map(str, r['shape'])):18} {r['dtype']:9}{cells}"
               f"{r['speedup_vs_eager']:>10.1f}x" + (f"{si:>8.2f}x" if si else f"{'-':>9}"))
         if r["dtype"] == "float32":
             met.append((r["config"], r["speedup_vs_eager"] >= 10,
@@ -295,7 +385,7 @@ def print_table(report):
         print(f"  {r['config']}: max rel error vs reference "
               + ", ".join(f"{k} {v:.1e}" for k, v in r["errors"].items())
               + f"; inductor compile {r['compile_s'].get('inductor', float('nan')):.1f} s"
-              + f"; steps {r['fxbackend_steps']}")
+              + (f"; steps {r['fxbackend_steps']}" if r["fxbackend_steps"] else ""))
     nc = report.get("numba_compile")
     if nc:
         for label, v in nc.items():

@@ -42,6 +42,7 @@ step bench_cuda 120 $PY scripts/bench.py --device cuda --sizes tiny,small \
     --backends eager,aot_eager,fxbackend --repeat 20 --json "$LOG/bench_cuda.json"
 step bench_cuda_inductor 90 $PY scripts/bench.py --device cuda --sizes small --families flux \
     --backends eager,inductor,fxbackend --repeat 20 --json "$LOG/bench_cuda_inductor.json"
+step bench_rms_rope_cuda 60 $PY scripts/bench_rms_rope_cuda.py --out "$LOG/bench_rms_rope_cuda.txt"
 step overhead_cuda 120 $PY scripts/bench_overhead.py --device cuda --rounds 3 --calls 100 --json "$LOG/overhead_cuda.json"
 echo "gpu_check: $([ $status -eq 0 ] && echo all steps passed || echo some step failed)" | tee -a "$LOG/summary.txt"
 exit $status

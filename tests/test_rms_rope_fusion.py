@@ -6,12 +6,15 @@ The rule logic is tested here with the torch implementation of the kernel interf
 (tests/test_rms_rope_cpu.py, tests/test_rms_rope_cuda.py)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.normalization import RMSNorm
 
 import fxbackend
+from fxbackend import models
 from fxbackend.patterns.rope import ReferenceRmsRope, RmsRopeFusion, rms_rope_reference
 
 
@@ -200,3 +203,55 @@ def test_terminal_copy_into_an_input_it_reads_goes_through_workspace(rule):
     (out,) = plan(*args)
     assert torch.equal(args[0], want)  # the input holds the result...
     assert out.data_ptr() == args[0].data_ptr()  # ...and the output is that input
+
+
+def test_flux_fuses_q_and_k_of_every_single_stream_block():
+    # the shipped CPU rule (numba kernel), no test rule registered
+    model = models.build_model("flux", "tiny")
+    inputs = models.make_inputs("flux", "tiny")
+    with torch.no_grad():
+        ref = models.run_eager(model, inputs)
+        out = models.run_eager(torch.compile(model, backend="fxbackend"), inputs)
+    assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+    s = fxbackend.stats()
+    assert s["rewrites_by_rule"] == {"rope": 4, "rms_norm": 6}
+    n_single = model.config.num_single_layers
+    # the double-stream block concatenates text and image q/k between norm and RoPE: no chain
+    assert s["fusions_by_rule"] == {"rms_rope": 2 * n_single}
+    assert s["steps_by_kernel"]["rms_rope"] == 2 * n_single
+    assert s["steps_by_kernel"]["rope_apply_cpu"] == 2  # the double-stream block's q and k
+    assert s["steps_by_kernel"]["rms_norm_cpu"] == 4  # its four QK norms
+
+
+def test_golden_fused_step():
+    # the plan of _QK: each norm moved down to its RoPE by optimize, then norm + RoPE claimed as
+    # one fused.rms_rope step (regenerate with EXPECTTEST_ACCEPT=1 and review the diff)
+    from expecttest import assert_expected_inline
+
+    mod = _QK()
+    text = fxbackend.explain(mod, *_attention_inputs())
+    first_plan = re.split(r"(?m)^plan graph\d+", text)[1]  # graph numbers count per process
+    assert_expected_inline(first_plan, """\
+: arena 0.00 MB (sum of intermediates 0.00 MB), workspace 0.00 MB (0 bytes)
+%0 = input : f32[1,6,16]
+%1 = weight : f32[8]
+%2 = input : f32[1,6,16]
+%3 = weight : f32[8]
+%4 = input : f32[6,8]
+%5 = input : f32[6,8]
+%6 = aten.view.default(%0) {size=[1, 6, 2, 8]} : f32[1,6,2,8]  # view_of=%0  [native]
+%13 = aten.view.default(%2) {size=[1, 6, 2, 8]} : f32[1,6,2,8]  # view_of=%2  [native]
+%20 = aten.unsqueeze.default(%4) {dim=0} : f32[1,6,8]  # view_of=%4  [native]
+%21 = aten.unsqueeze.default(%20) {dim=2} : f32[1,6,1,8]  # view_of=%20  [native]
+%22 = aten.unsqueeze.default(%5) {dim=0} : f32[1,6,8]  # view_of=%5  [native]
+%23 = aten.unsqueeze.default(%22) {dim=2} : f32[1,6,1,8]  # view_of=%22  [native]
+%54 = fused.rms_rope(%6, %1, %21, %23) : f32[1,6,2,8]  [rms_rope]
+%34 = aten.unsqueeze.default(%4) {dim=0} : f32[1,6,8]  # view_of=%4  [native]
+%35 = aten.unsqueeze.default(%34) {dim=2} : f32[1,6,1,8]  # view_of=%34  [native]
+%36 = aten.unsqueeze.default(%5) {dim=0} : f32[1,6,8]  # view_of=%5  [native]
+%37 = aten.unsqueeze.default(%36) {dim=2} : f32[1,6,1,8]  # view_of=%36  [native]
+%55 = fused.rms_rope(%13, %3, %35, %37) : f32[1,6,2,8]  [rms_rope]
+%48 = aten.transpose.int(%54) {dim0=1, dim1=2} : f32[1,2,6,8]{96,8,16,1}  # view_of=%54 output  [native]
+%49 = aten.transpose.int(%55) {dim0=1, dim1=2} : f32[1,2,6,8]{96,8,16,1}  # view_of=%55 output  [native]
+fused rms_rope: %50, %52
+fused rms_rope: %51, %53""")
