@@ -191,19 +191,25 @@ def bench_config(name, cfg, args, dtype):
         got = got.float()
         res["errors"][k] = (got - want).abs().max().item() / scale
 
-    times = {k: [] for k in impls}
     with torch.no_grad():
-        for f in impls.values():
-            for _ in range(args.warmup):
+        _time_impls(res, impls, args, (x, cos, sin, out))
+    return res
+
+
+def _time_impls(res, impls, args, tensors):
+    """Warm up, then time every implementation in interleaved rounds; fill ``res`` with the
+    times, medians, GB/s over ``tensors``' bytes (each counted once) and the speed-ups."""
+    times = {k: [] for k in impls}
+    for f in impls.values():
+        for _ in range(args.warmup):
+            f()
+    for _ in range(args.rounds):
+        for k, f in impls.items():
+            for _ in range(args.calls):
+                t0 = time.perf_counter()
                 f()
-        for _ in range(args.rounds):
-            for k, f in impls.items():
-                for _ in range(args.calls):
-                    t0 = time.perf_counter()
-                    f()
-                    times[k].append(time.perf_counter() - t0)
-    nbytes = (x.numel() * x.element_size() + cos.numel() * cos.element_size()
-              + sin.numel() * sin.element_size() + out.numel() * out.element_size())
+                times[k].append(time.perf_counter() - t0)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
     res["bytes"] = nbytes
     res["times_s"] = times
     res["median_ms"] = {k: statistics.median(v) * 1e3 for k, v in times.items()}
@@ -214,7 +220,6 @@ def bench_config(name, cfg, args, dtype):
     if "inductor" in res["median_ms"]:
         res["speedup_vs_inductor"] = res["median_ms"]["inductor"] / kern
     res["loadavg"] = os.getloadavg()
-    return res
 
 
 def bench_fused(name, cfg, args, dtype):
@@ -265,28 +270,8 @@ def bench_fused(name, cfg, args, dtype):
         for k, f in impls.items():
             got = f().float()
             res["errors"][k] = (got - want).abs().max().item() / scale
-        times = {k: [] for k in impls}
-        for f in impls.values():
-            for _ in range(args.warmup):
-                f()
-        for _ in range(args.rounds):
-            for k, f in impls.items():
-                for _ in range(args.calls):
-                    t0 = time.perf_counter()
-                    f()
-                    times[k].append(time.perf_counter() - t0)
-    nbytes = sum(t.numel() * t.element_size() for t in (x, w, cos, sin, out))
-    res["bytes"] = nbytes
-    res["times_s"] = times
-    res["median_ms"] = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    res["min_ms"] = {k: min(v) * 1e3 for k, v in times.items()}
-    res["gbps"] = {k: nbytes / (m * 1e-3) / 1e9 for k, m in res["median_ms"].items()}
-    kern = res["median_ms"]["kernel"]
-    res["speedup_vs_eager"] = res["median_ms"]["eager"] / kern
-    if "inductor" in res["median_ms"]:
-        res["speedup_vs_inductor"] = res["median_ms"]["inductor"] / kern
+        _time_impls(res, impls, args, (x, w, cos, sin, out))
     res["fxbackend_steps"] = {}
-    res["loadavg"] = os.getloadavg()
     return res
 
 

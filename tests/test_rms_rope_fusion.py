@@ -206,7 +206,8 @@ def test_terminal_copy_into_an_input_it_reads_goes_through_workspace(rule):
 
 
 def test_flux_fuses_q_and_k_of_every_single_stream_block():
-    # the shipped CPU rule (numba kernel), no test rule registered
+    # the shipped CPU rule (numba kernel), no test rule registered.  Every RoPE of Flux becomes
+    # sd.rope_apply.v1 (rewrites) and every QK RMSNorm sd.rms_norm.v1
     model = models.build_model("flux", "tiny")
     inputs = models.make_inputs("flux", "tiny")
     with torch.no_grad():
