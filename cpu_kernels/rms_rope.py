@@ -49,7 +49,7 @@ from . import rmsnorm as _rms
 from . import rope as _rope
 from .rmsnorm import _inv_rms, _normed, _round_as
 from .rope import (_NP_OF, _bcast_offsets, _compile_lock, _flat, _row_interleaved, _row_split_half,
-                   _set_threads, _store, _tile_offsets)
+                   _row_views, _set_threads, _store, _task, _tasks)
 
 __all__ = ["why_not", "compile_kernels", "rms_rope_cpu"]
 
@@ -90,33 +90,19 @@ def _store_tn(o, w, e, v):
 
 def _rms_rope_kernel(x, w, cos, sin, out, vt, bt, d, n_rot, tile, bchunk, eps, scale,
                      has_scale, interleaved):
-    """Tasks and row offsets as in rope's ``_rope_kernel`` (a tile of cos rows by a chunk of
-    the broadcast dims, b outer and v inner); per row: the norm into ``nrm`` (Tn values), the
-    rotation of its first n_rot features into ``rot``, then the scale and the output."""
-    nv = 1
-    for j in range(vt.shape[0]):
-        nv *= vt[j, 0]
-    nb = 1
-    for j in range(bt.shape[0]):
-        nb *= bt[j, 0]
-    ntiles = (nv + tile - 1) // tile
-    nbc = (nb + bchunk - 1) // bchunk
-    for task in prange(ntiles * nbc):
-        tk = np.int64(task)  # prange indices may be unsigned: int64 + uint64 would be float64
-        v0 = (tk // nbc) * tile
-        nt = min(nv - v0, tile)
-        b0 = (tk % nbc) * bchunk
-        b1 = min(nb, b0 + bchunk)
-        voff = _tile_offsets(v0, nt, vt)
+    """Tasks and rows as in rope's ``_rope_kernel`` (its ``_tasks``/``_task``/``_row_views``: a
+    tile of cos rows by a chunk of the broadcast dims, b outer and v inner); per row: the norm
+    into ``nrm`` (Tn values), the rotation of its first n_rot features into ``rot``, then the
+    scale and the output."""
+    ntasks, nv, nb, nbc = _tasks(vt, bt, tile, bchunk)
+    for task in prange(ntasks):
+        voff, b0, b1 = _task(task, vt, nv, nb, nbc, tile, bchunk)
         nrm = np.empty(d, np.float32)
         rot = np.empty(n_rot, np.float32)
         for b in range(b0, b1):
             bx, bo = _bcast_offsets(b, bt)
-            for j in range(nt):
-                xo = voff[j, 0] + bx
-                oo = voff[j, 1] + bo
-                xr, orow = x[xo:xo + d], out[oo:oo + d]
-                cr, sr = cos[voff[j, 2]:voff[j, 2] + n_rot], sin[voff[j, 3]:voff[j, 3] + n_rot]
+            for j in range(voff.shape[0]):
+                xr, orow, cr, sr = _row_views(x, out, cos, sin, voff, j, bx, bo, d, n_rot)
                 r = _inv_rms(xr, d, eps)
                 for e in range(d):
                     nrm[e] = _round_as(w, _normed(xr, w, r, e))

@@ -114,10 +114,10 @@ def _jit():
             from numba.extending import overload, register_jitable
 
             prange = numba.prange
-            for fn in (_var_offsets, _bcast_offsets, _tile_offsets, _bf16_to_f32, _f32_to_bf16,
+            for fn in (_var_offsets, _bcast_offsets, _tasks, _task, _bf16_to_f32, _f32_to_bf16,
                        _f16_to_f32, _f32_to_f16):
                 register_jitable(fn)
-            for fn in (_row_interleaved, _row_split_half):
+            for fn in (_row_views, _row_interleaved, _row_split_half):
                 # inlined into the kernel in numba's IR: LLVM then sees the row slices' bounds
                 # and vectorizes the pair loop (1.3-1.6x faster than a call per row)
                 overload(fn, inline="always", strict=False)((lambda f: lambda *args: f)(fn))
@@ -267,9 +267,28 @@ def _row_split_half(xr, cr, sr, orow, n_rot):
         _store(orow, p + h, b * _load(cr, p + h) + a * _load(sr, p + h))
 
 
-def _tile_offsets(v0, nt, vt):
-    """``[nt, 4]`` offsets in x, out, cos, sin of the cos rows ``v0 .. v0 + nt - 1`` (a task's
-    tile; also used by ``cpu_kernels/rms_rope.py``)."""
+def _tasks(vt, bt, tile, bchunk):
+    """``(tasks, nv, nb, nbc)``: a kernel's parallel tasks are tiles of ``tile`` of the ``nv``
+    cos rows (table ``vt``) by chunks of ``bchunk`` of the ``nb`` broadcast indices (table
+    ``bt``; ``nbc`` chunks).  The task loop of this file's and ``cpu_kernels/rms_rope.py``'s
+    kernels: ``_tasks``, then per task ``_task``, then per row ``_row_views``."""
+    nv = 1
+    for j in range(vt.shape[0]):
+        nv *= vt[j, 0]
+    nb = 1
+    for j in range(bt.shape[0]):
+        nb *= bt[j, 0]
+    nbc = (nb + bchunk - 1) // bchunk
+    return ((nv + tile - 1) // tile) * nbc, nv, nb, nbc
+
+
+def _task(task, vt, nv, nb, nbc, tile, bchunk):
+    """``(voff, b0, b1)`` of task ``task``: ``voff[j]`` the offsets in x, out, cos, sin of its
+    ``j``-th cos row (``[nt, 4]``), ``b0 .. b1 - 1`` its broadcast indices."""
+    tk = np.int64(task)  # prange indices may be unsigned: int64 + uint64 would be float64
+    v0 = (tk // nbc) * tile
+    nt = min(nv - v0, tile)
+    b0 = (tk % nbc) * bchunk
     voff = np.empty((nt, 4), np.int64)
     for j in range(nt):
         o0, o1, o2, o3 = _var_offsets(v0 + j, vt)
@@ -277,7 +296,18 @@ def _tile_offsets(v0, nt, vt):
         voff[j, 1] = o1
         voff[j, 2] = o2
         voff[j, 3] = o3
-    return voff
+    return voff, b0, min(nb, b0 + bchunk)
+
+
+def _row_views(x, out, cos, sin, voff, j, bx, bo, d, n_rot):
+    """The task's row ``j`` at broadcast offsets ``bx``/``bo`` (``_bcast_offsets``): slices of x
+    and out (``d`` features) and of cos and sin (``n_rot``).  Slices rather than offsets into
+    the flat arrays: indices LLVM sees as in range and non-negative, so the row loops vectorize
+    (about 1.5x faster)."""
+    xo = voff[j, 0] + bx
+    oo = voff[j, 1] + bo
+    return (x[xo:xo + d], out[oo:oo + d], cos[voff[j, 2]:voff[j, 2] + n_rot],
+            sin[voff[j, 3]:voff[j, 3] + n_rot])
 
 
 def _rope_kernel(x, cos, sin, out, vt, bt, d, n_rot, tile, bchunk, interleaved):
@@ -286,30 +316,13 @@ def _rope_kernel(x, cos, sin, out, vt, bt, d, n_rot, tile, bchunk, interleaved):
     runs b outer, v inner: the tile's cos/sin rows stay in L1 while every head reuses them
     (Flux, 2 threads: about 1.3-1.6x faster than plain row order, where each head re-streams
     all of cos/sin through the caches)."""
-    nv = 1
-    for j in range(vt.shape[0]):
-        nv *= vt[j, 0]
-    nb = 1
-    for j in range(bt.shape[0]):
-        nb *= bt[j, 0]
-    ntiles = (nv + tile - 1) // tile
-    nbc = (nb + bchunk - 1) // bchunk
-    for task in prange(ntiles * nbc):
-        tk = np.int64(task)  # prange indices may be unsigned: int64 + uint64 would be float64
-        v0 = (tk // nbc) * tile
-        nt = min(nv - v0, tile)
-        b0 = (tk % nbc) * bchunk
-        b1 = min(nb, b0 + bchunk)
-        voff = _tile_offsets(v0, nt, vt)
+    ntasks, nv, nb, nbc = _tasks(vt, bt, tile, bchunk)
+    for task in prange(ntasks):
+        voff, b0, b1 = _task(task, vt, nv, nb, nbc, tile, bchunk)
         for b in range(b0, b1):
             bx, bo = _bcast_offsets(b, bt)
-            for j in range(nt):
-                xo = voff[j, 0] + bx
-                oo = voff[j, 1] + bo
-                # row slices: indices LLVM sees as in range and non-negative, so the pair loop
-                # vectorizes (about 1.5x faster than indexing the flat arrays with offsets)
-                xr, orow = x[xo:xo + d], out[oo:oo + d]
-                cr, sr = cos[voff[j, 2]:voff[j, 2] + n_rot], sin[voff[j, 3]:voff[j, 3] + n_rot]
+            for j in range(voff.shape[0]):
+                xr, orow, cr, sr = _row_views(x, out, cos, sin, voff, j, bx, bo, d, n_rot)
                 if interleaved:
                     _row_interleaved(xr, cr, sr, orow, n_rot)
                 else:

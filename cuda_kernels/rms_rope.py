@@ -30,7 +30,8 @@ are the RoPE kernel's: even D <= rope.MAX_D, even n_rot <= D.
 
 Launches pass ``enable_fp_fusion=False`` (no fused multiply-add: the reference rounds
 ``nv * cos`` before adding ``nv_p * sin``).  Importing this module does not import Triton
-(``rmsnorm.lazy_kernel``).  Plans are cached per shape/stride signature (pure metadata), so a
+(``rope.lazy_kernel``); the row multi-index, offsets and pair partner are rope's
+``@triton.jit`` helpers.  Plans are cached per shape/stride signature (pure metadata), so a
 launch costs one dictionary look-up of planning.
 """
 from __future__ import annotations
@@ -44,13 +45,13 @@ import torch
 import fxbackend
 from fxbackend import TensorMeta
 from fxbackend.cuda_kernels import rope as _rope
-from fxbackend.cuda_kernels.rmsnorm import lazy_kernel, num_warps
-from fxbackend.cuda_kernels.rope import DTYPES, _jit_lock
+from fxbackend.cuda_kernels.rmsnorm import num_warps
+from fxbackend.cuda_kernels.rope import DTYPES, _jit_lock, _launch_on, lazy_kernel
 from fxbackend.patterns.rope import MODES, RmsRopeFusion
 
 __all__ = ["why_not", "rms_rope_triton", "compile_kernels"]
 
-#: triton.language, bound by ``lazy_kernel`` on first use
+#: triton.language, bound by ``rope.lazy_kernel`` on first use
 tl: Any = None
 
 
@@ -60,28 +61,13 @@ def _rms_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, D, n_rot,
                      cos_sf, sin_sf, w_sf, eps, scale,
                      INTERLEAVED: tl.constexpr, HAS_SCALE: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < n_rows
-    # the row's multi-index over the (at most four) leading dims, innermost last
-    i3 = rows % size3
-    r = rows // size3
-    i2 = r % size2
-    r = r // size2
-    i1 = r % size1
-    i0 = r // size1
-    x_row = i0 * xs0 + i1 * xs1 + i2 * xs2 + i3 * xs3
-    c_row = i0 * cs0 + i1 * cs1 + i2 * cs2 + i3 * cs3
-    s_row = i0 * ss0 + i1 * ss1 + i2 * ss2 + i3 * ss3
+    rows, row_ok, i0, i1, i2, i3 = _rope._lead_index(n_rows, size1, size2, size3, BLOCK_R)
+    x_row = _rope._lead_offset(i0, i1, i2, i3, xs0, xs1, xs2, xs3)
+    c_row = _rope._lead_offset(i0, i1, i2, i3, cs0, cs1, cs2, cs3)
+    s_row = _rope._lead_offset(i0, i1, i2, i3, ss0, ss1, ss2, ss3)
 
     f = tl.arange(0, BLOCK_D)
-    if INTERLEAVED:
-        partner = f ^ 1
-        sign = tl.where((f & 1) == 0, -1.0, 1.0)
-    else:
-        half = n_rot // 2
-        partner = tl.where(f < half, f + half, f - half)
-        sign = tl.where(f < half, -1.0, 1.0)
+    partner, sign = _rope._rope_partner(f, n_rot, INTERLEAVED)
     f_ok = f < D
     rot = f < n_rot
     m_all = row_ok[:, None] & f_ok[None, :]
@@ -191,12 +177,7 @@ def _launch(p: _Launch, device: torch.device, x, w, cos, sin, out, eps: float,
             1.0 if scale is None else float(scale))
     kw = dict(INTERLEAVED=r.interleaved, HAS_SCALE=scale is not None, BLOCK_R=r.block_r,
               BLOCK_D=r.block_d, num_warps=p.num_warps, enable_fp_fusion=False)
-    if device.type == "cuda":
-        # Triton launches on torch's current device, on that device's current stream
-        with torch.cuda.device(device):
-            kernel(*args, **kw)
-    else:  # Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors
-        kernel(*args, **kw)
+    _launch_on(device, kernel, args, kw)
 
 
 def rms_rope_triton(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -26,48 +26,30 @@ Launches pass ``enable_fp_fusion=False``: the reference rounds every product bef
 (no fused multiply-add), and so does the kernel, on a GPU as in the interpreter.
 
 Importing this module does not import Triton: ``tl`` is bound and the kernel jitted on first use
-(:func:`lazy_kernel`, shared with ``cuda_kernels/rms_rope.py``).
+(``rope.lazy_kernel``); the row multi-index and offset are rope's ``@triton.jit`` helpers.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 import fxbackend
 from fxbackend import TensorMeta
-from fxbackend.cuda_kernels.rope import (DTYPES, MAX_LEAD_DIMS, TILE, _jit_lock,
-                                         _merge_lead_dims, _next_pow2)
+from fxbackend.cuda_kernels import rope as _rope
+from fxbackend.cuda_kernels.rope import (DTYPES, MAX_LEAD_DIMS, TILE, _jit_lock, _launch_on,
+                                         _merge_lead_dims, _next_pow2, lazy_kernel)
 from fxbackend.patterns.rmsnorm import rms_norm_out_dtype
 
-__all__ = ["rms_norm_triton", "RmsNormCUDA", "MAX_D", "lazy_kernel"]
+__all__ = ["rms_norm_triton", "RmsNormCUDA", "MAX_D"]
 
 #: the widest row the kernel takes: one program holds BLOCK_D >= D features of a row in registers
 #: (8192 float32 at 16 warps: 16 per thread)
 MAX_D = 8192
 
-#: triton.language, bound by :func:`lazy_kernel` on first use (see ``cuda_kernels/rope.py``)
+#: triton.language, bound by :func:`~fxbackend.cuda_kernels.rope.lazy_kernel` on first use
 tl: Any = None
-
-
-def lazy_kernel(fn: Callable) -> Callable[[], Any]:
-    """A getter for ``triton.jit(fn)`` that imports Triton, binds ``tl`` in ``fn``'s module and
-    jits on its first call (module import must not import Triton; honours TRITON_INTERPRET).
-    Do not call it while holding ``rope._jit_lock``."""
-    jitted: list = []
-
-    def get() -> Any:
-        if not jitted:
-            with _jit_lock:
-                if not jitted:
-                    import triton
-                    import triton.language as language
-                    fn.__globals__["tl"] = language
-                    jitted.append(triton.jit(fn))
-        return jitted[0]
-
-    return get
 
 
 def num_warps(block_r: int, block_d: int) -> int:
@@ -79,17 +61,8 @@ def num_warps(block_r: int, block_d: int) -> int:
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, D, size1, size2, size3,
                      xs0, xs1, xs2, xs3, w_sf, eps,
                      HAS_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < n_rows
-    # the row's multi-index over the (at most four) leading dims, innermost last
-    i3 = rows % size3
-    r = rows // size3
-    i2 = r % size2
-    r = r // size2
-    i1 = r % size1
-    i0 = r // size1
-    x_row = i0 * xs0 + i1 * xs1 + i2 * xs2 + i3 * xs3
+    rows, row_ok, i0, i1, i2, i3 = _rope._lead_index(n_rows, size1, size2, size3, BLOCK_R)
+    x_row = _rope._lead_offset(i0, i1, i2, i3, xs0, xs1, xs2, xs3)
 
     f = tl.arange(0, BLOCK_D)
     f_ok = f < D
@@ -171,12 +144,7 @@ def _launch(p: _Launch, device: torch.device, x, weight, out, eps: float) -> Non
     args = (x, w, out, *p.args, float(eps))
     kw = dict(HAS_WEIGHT=p.has_weight, BLOCK_R=p.block_r, BLOCK_D=p.block_d,
               num_warps=p.num_warps, enable_fp_fusion=False)
-    if device.type == "cuda":
-        # Triton launches on torch's current device, on that device's current stream
-        with torch.cuda.device(device):
-            kernel(*args, **kw)
-    else:  # Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors
-        kernel(*args, **kw)
+    _launch_on(device, kernel, args, kw)
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float,

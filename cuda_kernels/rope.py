@@ -25,19 +25,22 @@ most four leading dims with their strides; the kernel recovers each row's multi-
 div/mod.  More than four non-mergeable leading dims is declined (``supports`` is False).
 The partner of each feature is loaded a second time rather than permuted in registers: it lies
 in the same cache lines as the tile, and the load keeps to long-stable Triton features
-(``tl.load``/``tl.store`` with masks, ``tl.arange``, ``program_id``, constexpr block sizes), so
-the same source compiles with Triton 3.6 and 3.9 and runs in Triton's interpreter.
+(``tl.load``/``tl.store`` with masks, ``tl.arange``, ``program_id``, constexpr block sizes,
+calls to ``@triton.jit`` functions), so the same source compiles with Triton 3.6 and 3.9 and runs
+in Triton's interpreter.
 
 Importing this module does not import Triton (``fxbackend`` imports every kernel module at import
-time, GPU or not): ``tl`` is bound and the kernel jitted on first use.  Compiled kernels are
-cached on disk by Triton itself (``TRITON_CACHE_DIR``, default ``~/.triton/cache``); the
-``compile`` capability warms the kernel for a node at plan time.
+time, GPU or not): ``tl`` is bound and the kernel jitted on first use by :func:`lazy_kernel`,
+which every kernel of this package uses; it also jits the ``@triton.jit`` helpers below (row
+multi-index and offsets, pair partner) that the kernels of ``rmsnorm.py`` and ``rms_rope.py``
+call too.  Compiled kernels are cached on disk by Triton itself (``TRITON_CACHE_DIR``, default
+``~/.triton/cache``); the ``compile`` capability warms the kernel for a node at plan time.
 """
 from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -45,7 +48,7 @@ import fxbackend
 from fxbackend import TensorMeta
 from fxbackend.patterns.rope import MODES
 
-__all__ = ["rope_apply_triton", "RopeApplyCUDA", "MAX_D", "MAX_LEAD_DIMS"]
+__all__ = ["rope_apply_triton", "RopeApplyCUDA", "MAX_D", "MAX_LEAD_DIMS", "lazy_kernel"]
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: the widest head the kernel takes: one program holds BLOCK_D >= D features of a row
@@ -56,32 +59,63 @@ MAX_LEAD_DIMS = 4
 TILE = 2048
 NUM_WARPS = 4
 
-#: triton.language, bound by :func:`_kernel` on first use (module import must not import triton).
-#: The kernel's ``tl.constexpr`` annotations are strings (``from __future__ import annotations``),
-#: read by Triton when it jits the function, so they need no ``tl`` at import.
+#: triton.language, bound by :func:`lazy_kernel` on first use (module import must not import
+#: triton).  The kernels' ``tl.constexpr`` annotations are strings (``from __future__ import
+#: annotations``), read by Triton when it jits the function, so they need no ``tl`` at import.
 tl: Any = None
+_jit_lock = threading.Lock()
+#: the ``@triton.jit`` helpers below, shared with the kernels of ``rmsnorm.py`` and
+#: ``rms_rope.py`` (which call them as ``rope.<name>``): plain functions until the first
+#: :func:`lazy_kernel` getter call replaces each, in this module, with its jitted form
+_HELPERS = ("_lead_index", "_lead_offset", "_rope_partner")
 
 
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, D, n_rot,
-                 size1, size2, size3,
-                 xs0, xs1, xs2, xs3, cs0, cs1, cs2, cs3, ss0, ss1, ss2, ss3,
-                 cos_sf, sin_sf,
-                 INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < n_rows
-    # the row's multi-index over the (at most four) leading dims, innermost last
+def lazy_kernel(fn: Callable) -> Callable[[], Any]:
+    """A getter for ``triton.jit(fn)`` that on its first call imports Triton, binds ``tl`` in
+    ``fn``'s module (and, once, in this one, jitting :data:`_HELPERS`) and jits ``fn`` (module
+    import must not import Triton; honours TRITON_INTERPRET).  Used by every kernel of this
+    package.  Do not call it while holding ``_jit_lock``."""
+    jitted: list = []
+
+    def get() -> Any:
+        if not jitted:
+            with _jit_lock:
+                if not jitted:
+                    import triton
+                    import triton.language as language
+                    g = globals()
+                    if g["tl"] is None:
+                        for name in _HELPERS:
+                            g[name] = triton.jit(g[name])
+                        g["tl"] = language
+                    fn.__globals__["tl"] = language
+                    jitted.append(triton.jit(fn))
+        return jitted[0]
+
+    return get
+
+
+def _lead_index(n_rows, size1, size2, size3, BLOCK_R: tl.constexpr):
+    """``(rows, row_ok, i0, i1, i2, i3)``: the program's BLOCK_R row numbers (int64), which of
+    them are below ``n_rows``, and each row's multi-index over the four leading dims of sizes
+    ``(n_rows / (size1 * size2 * size3), size1, size2, size3)``, innermost last."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     i3 = rows % size3
     r = rows // size3
     i2 = r % size2
     r = r // size2
     i1 = r % size1
-    i0 = r // size1
-    x_row = i0 * xs0 + i1 * xs1 + i2 * xs2 + i3 * xs3
-    c_row = i0 * cs0 + i1 * cs1 + i2 * cs2 + i3 * cs3
-    s_row = i0 * ss0 + i1 * ss1 + i2 * ss2 + i3 * ss3
+    return rows, rows < n_rows, r // size1, i1, i2, i3
 
-    f = tl.arange(0, BLOCK_D)
+
+def _lead_offset(i0, i1, i2, i3, s0, s1, s2, s3):
+    """The element offset of the multi-index ``(i0, i1, i2, i3)`` with strides ``s0 .. s3``."""
+    return i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3
+
+
+def _rope_partner(f, n_rot, INTERLEAVED: tl.constexpr):
+    """``(p(f), sign(f))`` of features ``f``: the pair partner and sign of the module docstring
+    (meaningful for f < n_rot)."""
     if INTERLEAVED:
         partner = f ^ 1
         sign = tl.where((f & 1) == 0, -1.0, 1.0)
@@ -89,6 +123,21 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, D, n_rot,
         half = n_rot // 2
         partner = tl.where(f < half, f + half, f - half)
         sign = tl.where(f < half, -1.0, 1.0)
+    return partner, sign
+
+
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, D, n_rot,
+                 size1, size2, size3,
+                 xs0, xs1, xs2, xs3, cs0, cs1, cs2, cs3, ss0, ss1, ss2, ss3,
+                 cos_sf, sin_sf,
+                 INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows, row_ok, i0, i1, i2, i3 = _lead_index(n_rows, size1, size2, size3, BLOCK_R)
+    x_row = _lead_offset(i0, i1, i2, i3, xs0, xs1, xs2, xs3)
+    c_row = _lead_offset(i0, i1, i2, i3, cs0, cs1, cs2, cs3)
+    s_row = _lead_offset(i0, i1, i2, i3, ss0, ss1, ss2, ss3)
+
+    f = tl.arange(0, BLOCK_D)
+    partner, sign = _rope_partner(f, n_rot, INTERLEAVED)
     rot = f < n_rot
     m_all = row_ok[:, None] & (f < D)[None, :]
     m_rot = row_ok[:, None] & rot[None, :]
@@ -104,21 +153,7 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, D, n_rot,
              mask=m_all)
 
 
-_jit_lock = threading.Lock()
-_jitted: Any = None
-
-
-def _kernel() -> Any:
-    """The jitted kernel (imports Triton on first use; honours TRITON_INTERPRET)."""
-    global _jitted, tl
-    if _jitted is None:
-        with _jit_lock:
-            if _jitted is None:
-                import triton
-                import triton.language as language
-                tl = language
-                _jitted = triton.jit(_rope_kernel)
-    return _jitted
+_kernel = lazy_kernel(_rope_kernel)
 
 
 # -- launch parameters (pure Python, metadata only) ------------------------------------------
@@ -218,18 +253,24 @@ def _plan_of_tensors(x, cos, sin, mode: str, n_rot: int) -> _Launch:
                  tuple(sin.shape), tuple(sin.stride()), mode, n_rot)
 
 
+def _launch_on(device: torch.device, kernel, args: tuple, kw: dict) -> None:
+    """``kernel(*args, **kw)`` (a gridded jitted kernel) on ``device``: a CUDA device, made
+    current for the call (Triton launches on torch's current device, on that device's current
+    stream), or the CPU under Triton's interpreter (TRITON_INTERPRET=1).  Used by every
+    launcher of this package."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            kernel(*args, **kw)
+    else:
+        kernel(*args, **kw)
+
+
 def _launch(p: _Launch, device: torch.device, x, cos, sin, out) -> None:
     if p.grid[0] == 0:
         return
-    kernel = _kernel()[p.grid]
-    if device.type == "cuda":
-        # Triton launches on torch's current device, on that device's current stream
-        with torch.cuda.device(device):
-            kernel(x, cos, sin, out, *p.args, INTERLEAVED=p.interleaved, BLOCK_R=p.block_r,
-                   BLOCK_D=p.block_d, num_warps=NUM_WARPS)
-    else:  # Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors
-        kernel(x, cos, sin, out, *p.args, INTERLEAVED=p.interleaved, BLOCK_R=p.block_r,
-               BLOCK_D=p.block_d, num_warps=NUM_WARPS)
+    _launch_on(device, _kernel()[p.grid], (x, cos, sin, out, *p.args),
+               dict(INTERLEAVED=p.interleaved, BLOCK_R=p.block_r, BLOCK_D=p.block_d,
+                    num_warps=NUM_WARPS))
 
 
 def rope_apply_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str,

@@ -156,17 +156,7 @@ def bench_config(name, cfg, args, dtype):
     x, cos2, sin2, cos, sin = make_inputs(cfg, dtype)
     out = torch.empty(x.shape, dtype=dtype)
     eager = eager_fn(mode, n_rot, layout)
-    impls = {"eager": lambda: eager(x, cos2, sin2)}
-    res = {"config": name, "model": model, "shape": list(x.shape), "cos_shape": list(cos.shape),
-           "mode": mode, "n_rot": n_rot, "dtype": str(dtype).replace("torch.", ""),
-           "errors": {}, "compile_s": {}}
-    if not args.no_inductor:
-        torch._dynamo.reset()
-        ind = torch.compile(eager, dynamic=False)
-        t0 = time.perf_counter()
-        ind(x, cos2, sin2)
-        res["compile_s"]["inductor"] = time.perf_counter() - t0
-        impls["inductor"] = lambda: ind(x, cos2, sin2)
+    res, impls = _start(name, model, x, cos, mode, n_rot, dtype, eager, (x, cos2, sin2), args)
     # the kernel as a plan step runs it: compile and prepare at plan time, execute per call
     cg = fxbackend_graph(x, cos, sin, mode, n_rot)
     kernel = RopeApplyCPU()
@@ -194,6 +184,23 @@ def bench_config(name, cfg, args, dtype):
     with torch.no_grad():
         _time_impls(res, impls, args, (x, cos, sin, out))
     return res
+
+
+def _start(name, model, x, cos, mode, n_rot, dtype, eager, eager_args, args):
+    """The result record and the eager (and, unless ``--no-inductor``, Inductor-compiled, its
+    compile time recorded) implementations of one config."""
+    impls = {"eager": lambda: eager(*eager_args)}
+    res = {"config": name, "model": model, "shape": list(x.shape), "cos_shape": list(cos.shape),
+           "mode": mode, "n_rot": n_rot, "dtype": str(dtype).replace("torch.", ""),
+           "errors": {}, "compile_s": {}}
+    if not args.no_inductor:
+        torch._dynamo.reset()
+        ind = torch.compile(eager, dynamic=False)
+        t0 = time.perf_counter()
+        ind(*eager_args)
+        res["compile_s"]["inductor"] = time.perf_counter() - t0
+        impls["inductor"] = lambda: ind(*eager_args)
+    return res, impls
 
 
 def _time_impls(res, impls, args, tensors):
@@ -247,18 +254,10 @@ def bench_fused(name, cfg, args, dtype):
                                 sequence_dim=1)
 
     out = torch.empty(x.shape, dtype=dtype)
-    impls = {"eager": lambda: eager(x, cos2, sin2)}
-    res = {"config": name, "model": model, "shape": list(x.shape), "cos_shape": list(cos.shape),
-           "mode": mode, "n_rot": n_rot, "dtype": str(dtype).replace("torch.", ""),
-           "errors": {}, "compile_s": {}, "fused": True}
     with torch.no_grad():
-        if not args.no_inductor:
-            torch._dynamo.reset()
-            ind = torch.compile(eager, dynamic=False)
-            t0 = time.perf_counter()
-            ind(x, cos2, sin2)
-            res["compile_s"]["inductor"] = time.perf_counter() - t0
-            impls["inductor"] = lambda: ind(x, cos2, sin2)
+        res, impls = _start(name, model, x, cos, mode, n_rot, dtype, eager, (x, cos2, sin2),
+                            args)
+        res["fused"] = True
         t0 = time.perf_counter()
         rms_rope.compile_kernels(x.dtype, w.dtype, cos.dtype, sin.dtype, out.dtype)
         rms_rope.rms_rope_cpu(x, w, cos, sin, out, eps=1e-6, mode=mode, n_rot=n_rot)

@@ -25,13 +25,10 @@ Importing this module imports neither Triton nor fxbackend.
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
-import traceback
 import zlib
 
-from _rope_interp_check import _tables
+from _rope_interp_check import _tables, execute_once, serve
 
 B, S, H = 2, 7, 3
 EPS = 1e-6
@@ -118,22 +115,6 @@ def run_rms_rope(case: dict) -> dict:
     return _compare(out, want, x, x_before, case, torch)
 
 
-def _via_execute(x, w, out, torch) -> None:
-    import fxbackend
-    from fxbackend import Graph, TensorMeta
-    from fxbackend.cuda_kernels.rmsnorm import RmsNormCUDA
-
-    inputs = [x] if w is None else [x, w]
-    g = Graph()
-    srcs = [g.append(g.new_node("input", meta=TensorMeta.of(t), is_input=True)) for t in inputs]
-    node = fxbackend.op_create(g, "sd.rms_norm.v1", srcs, {"eps": EPS})
-    kernel = RmsNormCUDA()
-    state, ws = kernel.prepare(node)
-    assert ws == 0 and len(state.launches) == 1
-    kernel.execute(fxbackend.ExecContext(x.device), node, state, inputs, out, None)
-    assert len(state.launches) == 1, "execute re-planned although the metadata was right"
-
-
 def run_rms_norm(case: dict) -> dict:
     import torch
     from fxbackend.cuda_kernels.rmsnorm import rms_norm_triton
@@ -148,7 +129,9 @@ def run_rms_norm(case: dict) -> dict:
     x_before = x.clone()
     out = torch.full(x.shape, float("nan"), dtype=rms_norm_out_dtype(xdt, wdt))
     if case.get("via", "launcher") == "execute":
-        _via_execute(x, w, out, torch)
+        from fxbackend.cuda_kernels.rmsnorm import RmsNormCUDA
+        execute_once(RmsNormCUDA(), "sd.rms_norm.v1", [x] if w is None else [x, w],
+                     {"eps": EPS}, out)
     else:
         assert rms_norm_triton(x, w, EPS, out) is out
     want = rms_norm_reference(x, w, EPS)
@@ -156,20 +139,10 @@ def run_rms_norm(case: dict) -> dict:
 
 
 def main() -> int:
-    if os.environ.get("TRITON_INTERPRET") != "1" or "triton" in sys.modules:
-        print("run with TRITON_INTERPRET=1 in the environment", file=sys.stderr)
-        return 2
-    cases = json.load(sys.stdin)
-    patch_bf16_rounding()
-    for case in cases:
-        res = {"id": case["id"], "ok": True, "msg": "", "max_abs_err": None, "exact_frac": None}
-        try:
-            run = run_rms_rope if case["kind"] == "rms_rope" else run_rms_norm
-            res.update(run(case))
-        except Exception as e:  # reported per case; the test shows it
-            res.update(ok=False, msg=f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-        print(json.dumps(res), flush=True)
-    return 0
+    def run(case: dict) -> dict:
+        return (run_rms_rope if case["kind"] == "rms_rope" else run_rms_norm)(case)
+
+    return serve(run, {"max_abs_err": None, "exact_frac": None}, setup=patch_bf16_rounding)
 
 
 if __name__ == "__main__":

@@ -9,16 +9,24 @@ tests in a pytest process may import Triton first, so the checks run here, in a 
 stdin: a JSON list of cases ``{"id", "layout", "d", "n_rot", "mode", "dtype", "atol", "rtol",
 "via"}`` (``via``: "launcher" calls ``rope_apply_triton``; "execute" goes through the registry
 kernel's ``prepare`` and ``execute`` on a node built with ``op_create``).  stdout: one JSON line
-per case ``{"id", "ok", "msg", "max_abs_err"}``.  Importing this module (for ``LAYOUTS``) imports
-neither Triton nor fxbackend.
+per case ``{"id", "ok", "msg", "max_abs_err"}``.
+
+It also holds what tests/test_rope_cuda.py and tests/test_rms_rope_cuda.py (and its checker,
+tests/_rms_rope_interp_check.py) share: :func:`run_checker` and :func:`check_result` (the test
+side of a checker), :func:`serve` (a checker's main loop), :func:`execute_once` (the registry
+path) and :func:`aot_compile` (compiled mode without a GPU).  Importing this module (for
+``LAYOUTS`` and those) imports neither Triton nor fxbackend.
 """
 from __future__ import annotations
 
 import json
 import os
+import pathlib
+import subprocess
 import sys
 import traceback
 import zlib
+from typing import Callable
 
 B, S, H = 2, 7, 3
 
@@ -92,19 +100,19 @@ LAYOUTS = ("rows2d", "bhsd_cos_s", "bhsd_cos_11s", "bshd_cos_s1", "bshd_as_bhsd"
            "cos_rows_sin_table", "cos_table_sin_rows")
 
 
-def _via_execute(x, cos, sin, mode, n_rot, out, torch):
+def execute_once(kernel, op: str, inputs: list, params: dict, out) -> None:
+    """``out = op(*inputs) {params}`` through the registry kernel's ``prepare`` (state planned
+    from the metadata of a node built with ``op_create``) and ``execute``; asserts that execute
+    did not re-plan."""
     import fxbackend
     from fxbackend import Graph, TensorMeta
-    from fxbackend.cuda_kernels.rope import RopeApplyCUDA
 
     g = Graph()
-    srcs = [g.append(g.new_node("input", meta=TensorMeta.of(t), is_input=True))
-            for t in (x, cos, sin)]
-    node = fxbackend.op_create(g, "sd.rope_apply.v1", srcs, {"mode": mode, "n_rot": n_rot})
-    kernel = RopeApplyCUDA()
+    srcs = [g.append(g.new_node("input", meta=TensorMeta.of(t), is_input=True)) for t in inputs]
+    node = fxbackend.op_create(g, op, srcs, params)
     state, ws = kernel.prepare(node)
     assert ws == 0 and len(state.launches) == 1
-    kernel.execute(fxbackend.ExecContext(x.device), node, state, [x, cos, sin], out, None)
+    kernel.execute(fxbackend.ExecContext(inputs[0].device), node, state, inputs, out, None)
     assert len(state.launches) == 1, "execute re-planned although the metadata was right"
 
 
@@ -119,7 +127,9 @@ def run_case(case: dict) -> dict:
     x_before = x.clone()
     out = torch.full(x.shape, float("nan"), dtype=dtype)
     if case.get("via", "launcher") == "execute":
-        _via_execute(x, cos, sin, mode, n_rot, out, torch)
+        from fxbackend.cuda_kernels.rope import RopeApplyCUDA
+        execute_once(RopeApplyCUDA(), "sd.rope_apply.v1", [x, cos, sin],
+                     {"mode": mode, "n_rot": n_rot}, out)
     else:
         assert rope_apply_triton(x, cos, sin, mode, n_rot, out) is out
     want = rope_reference(x, cos, sin, mode, n_rot)
@@ -130,19 +140,88 @@ def run_case(case: dict) -> dict:
     return {"max_abs_err": err}
 
 
-def main() -> int:
+def serve(run: Callable[[dict], dict], result: dict,
+          setup: Callable[[], None] | None = None) -> int:
+    """A checker's main: the cases from stdin, one JSON line per case on stdout: ``{"id", "ok",
+    "msg"}``, then ``result``'s keys (their defaults) updated with what ``run(case)`` returns;
+    an exception fails that case alone.  ``setup`` runs once before the cases (Triton imported
+    by then is fine).  Status 2 unless TRITON_INTERPRET=1 was set before Triton was imported."""
     if os.environ.get("TRITON_INTERPRET") != "1" or "triton" in sys.modules:
         print("run with TRITON_INTERPRET=1 in the environment", file=sys.stderr)
         return 2
     cases = json.load(sys.stdin)
+    if setup is not None:
+        setup()
     for case in cases:
-        res = {"id": case["id"], "ok": True, "msg": "", "max_abs_err": None}
+        res = {"id": case["id"], "ok": True, "msg": "", **result}
         try:
-            res.update(run_case(case))
+            res.update(run(case))
         except Exception as e:  # reported per case; the test shows it
             res.update(ok=False, msg=f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
         print(json.dumps(res), flush=True)
     return 0
+
+
+def run_checker(script: str, cases: list) -> dict:
+    """Runs the checker ``script`` (a file next to this one) on ``cases`` in a fresh process
+    with ``TRITON_INTERPRET=1`` (one Triton import for all of them); its results by case id.
+    For a test module's fixture."""
+    here = pathlib.Path(__file__).parent
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, str(here / script)], input=json.dumps(cases),
+                          capture_output=True, text=True, env=env, timeout=300, cwd=here)
+    assert proc.returncode == 0, \
+        f"interpreter run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return {r["id"]: r for r in map(json.loads, proc.stdout.splitlines())}
+
+
+def check_result(results: dict, case: dict) -> None:
+    """Asserts that the checker reported ``case`` and that it passed."""
+    res = results.get(case["id"])
+    assert res is not None, f"the interpreter run reported nothing for {case['id']}"
+    assert res["ok"], res["msg"]
+
+
+_PTR = {"float32": "*fp32", "bfloat16": "*bf16", "float16": "*fp16"}
+
+
+def aot_compile(kernel, ptrs: tuple, values: tuple, constexprs: dict, options: dict):
+    """Compiles the jitted ``kernel`` the way a launch specialises it (ints equal to 1 become
+    constants, ints and pointers divisible by 16 get that attribute; floats are fp32) through
+    Triton's ahead-of-time API (``triton.compile`` on an ``ASTSource``, as
+    ``triton/tools/compile.py`` does) for sm_90; needs ptxas, not a GPU.  ``ptrs``: the torch
+    dtypes of the leading pointer arguments; ``values``: the scalar arguments that follow;
+    ``options``: the launch's (``num_warps``, ``enable_fp_fusion``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    scalars = dict(zip(names[len(ptrs):], values))
+    sig, consts, attrs = {}, {}, {}
+    for i, name in enumerate(names):
+        if i < len(ptrs):
+            sig[name] = _PTR[str(ptrs[i]).removeprefix("torch.")]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in scalars:
+            v = scalars[name]
+            if isinstance(v, float):
+                sig[name] = "fp32"
+            elif v == 1:
+                sig[name], consts[name] = "constexpr", 1
+            else:
+                sig[name] = "i32" if -2**31 <= v < 2**31 else "i64"
+                if v % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "constexpr"
+    consts.update(constexprs)
+    src = ASTSource(kernel, sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def main() -> int:
+    return serve(run_case, {"max_abs_err": None})
 
 
 if __name__ == "__main__":

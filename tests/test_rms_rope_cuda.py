@@ -16,7 +16,6 @@ Triton kernel for ``sd.rms_norm.v1`` (cuda_kernels/rmsnorm.py).
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import pathlib
 import subprocess
@@ -36,6 +35,7 @@ from fxbackend.cuda_kernels.rmsnorm import RmsNormCUDA, rms_norm_triton
 from fxbackend.patterns.rmsnorm import rms_norm_out_dtype, rms_norm_reference
 from fxbackend.patterns.rope import rms_rope_reference
 
+import _rope_interp_check as interp
 from ext_util import compiled, contiguous_strides, registry_guard, set_outputs  # noqa: F401
 
 OP = "sd.rms_norm.v1"
@@ -127,13 +127,7 @@ INTERP_CASES = _rms_rope_cases() + _rms_norm_cases()
 @pytest.fixture(scope="module")
 def interp_results() -> dict:
     """Runs every interpreter case in one subprocess (one Triton import); results by id."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, str(HERE / "_rms_rope_interp_check.py")],
-                          input=json.dumps(INTERP_CASES), capture_output=True, text=True,
-                          env=env, timeout=300, cwd=HERE)
-    assert proc.returncode == 0, \
-        f"interpreter run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    return {r["id"]: r for r in map(json.loads, proc.stdout.splitlines())}
+    return interp.run_checker("_rms_rope_interp_check.py", INTERP_CASES)
 
 
 def test_case_ids_are_unique():
@@ -142,12 +136,11 @@ def test_case_ids_are_unique():
 
 @pytest.mark.parametrize("case", INTERP_CASES, ids=[c["id"] for c in INTERP_CASES])
 def test_interpreter_matches_the_reference(interp_results, case):
-    res = interp_results.get(case["id"])
-    assert res is not None, f"the interpreter run reported nothing for {case['id']}"
-    assert res["ok"], res["msg"]
+    interp.check_result(interp_results, case)
 
 
-# -- registration and import cost ---------------------------------------------------------------
+# -- registration -------------------------------------------------------------------------------
+# (that importing these modules does not import Triton is tested in tests/test_rope_cuda.py)
 
 def test_the_rms_norm_kernel_is_registered_for_cuda_only():
     assert "rms_norm_triton" in [k.name for k in registry.kernels_for("cuda", OP)]
@@ -157,13 +150,6 @@ def test_the_rms_norm_kernel_is_registered_for_cuda_only():
 def test_the_fused_module_registers_nothing():
     assert [k.name for k in registry.kernels_for("cuda", "sd.rope_apply.v1")] == \
         ["rope_apply_triton"]
-
-
-def test_importing_the_kernels_does_not_import_triton():
-    code = ("import sys, fxbackend, fxbackend.cuda_kernels.rmsnorm, "
-            "fxbackend.cuda_kernels.rms_rope; sys.exit(1 if 'triton' in sys.modules else 0)")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    assert subprocess.run([sys.executable, "-c", code], env=env, timeout=120).returncode == 0
 
 
 # -- metadata: why_not and supports (no device needed) ------------------------------------------
@@ -390,43 +376,6 @@ def test_compile_is_a_no_op_off_cuda():
 
 # -- compiled mode without a GPU: Triton's ahead-of-time path down to an sm_90 cubin ------------
 
-_PTR = {F32: "*fp32", BF16: "*bf16", F16: "*fp16"}
-
-
-def _aot_compile(kernel, ptrs: tuple, values: tuple, constexprs: dict, num_warps: int):
-    """Compile ``kernel`` the way a launch specialises it (ints equal to 1 become constants,
-    ints and pointers divisible by 16 get that attribute; floats are fp32) through Triton's
-    ahead-of-time API (as tests/test_rope_cuda.py does); needs ptxas, not a GPU.  ``ptrs``: the
-    dtypes of the leading pointer arguments; ``values``: the scalar arguments that follow."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    names = kernel.arg_names
-    scalars = dict(zip(names[len(ptrs):], values))
-    sig, consts, attrs = {}, {}, {}
-    for i, name in enumerate(names):
-        if i < len(ptrs):
-            sig[name] = _PTR[ptrs[i]]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in scalars:
-            v = scalars[name]
-            if isinstance(v, float):
-                sig[name] = "fp32"
-            elif v == 1:
-                sig[name], consts[name] = "constexpr", 1
-            else:
-                sig[name] = "i32" if -2**31 <= v < 2**31 else "i64"
-                if v % 16 == 0:
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[name] = "constexpr"
-    consts.update(constexprs)
-    src = ASTSource(kernel, sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "enable_fp_fusion": False})
-
-
 _COMPILED_ONLY = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
                                     reason="compiled mode only")
 
@@ -443,9 +392,10 @@ def test_the_fused_kernel_compiles_for_sm90_without_a_gpu(mode, dtypes, scale):
     t = torch.empty(7, 64)
     p = fused._plan_of_tensors(x, torch.empty(128), t, t, mode, 64)
     r = p.rope
-    ck = _aot_compile(fused._kernel(), dtypes, (*r.args, p.w_stride, 1e-6, scale or 1.0),
-                      {"INTERLEAVED": r.interleaved, "HAS_SCALE": scale is not None,
-                       "BLOCK_R": r.block_r, "BLOCK_D": r.block_d}, p.num_warps)
+    ck = interp.aot_compile(fused._kernel(), dtypes, (*r.args, p.w_stride, 1e-6, scale or 1.0),
+                            {"INTERLEAVED": r.interleaved, "HAS_SCALE": scale is not None,
+                             "BLOCK_R": r.block_r, "BLOCK_D": r.block_d},
+                            {"num_warps": p.num_warps, "enable_fp_fusion": False})
     assert ck.asm.get("cubin"), "no cubin"
 
 
@@ -458,9 +408,10 @@ def test_the_rms_norm_kernel_compiles_for_sm90_without_a_gpu(shape, dtypes):
     x_dt, w_dt, out_dt = dtypes
     x = torch.empty(shape)
     p = cuda_rms._plan_of_tensors(x, None if w_dt is None else torch.empty(shape[-1]))
-    ck = _aot_compile(cuda_rms._kernel(), (x_dt, w_dt or x_dt, out_dt), (*p.args, 1e-6),
-                      {"HAS_WEIGHT": p.has_weight, "BLOCK_R": p.block_r, "BLOCK_D": p.block_d},
-                      p.num_warps)
+    ck = interp.aot_compile(cuda_rms._kernel(), (x_dt, w_dt or x_dt, out_dt), (*p.args, 1e-6),
+                            {"HAS_WEIGHT": p.has_weight, "BLOCK_R": p.block_r,
+                             "BLOCK_D": p.block_d},
+                            {"num_warps": p.num_warps, "enable_fp_fusion": False})
     assert ck.asm.get("cubin"), "no cubin"
 
 

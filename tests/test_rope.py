@@ -335,11 +335,12 @@ def test_numba_cache_dir_default(monkeypatch, tmp_path):
 
 
 def test_module_import_does_not_import_numba():
-    """fxbackend imports its kernels at import time: numba must load only when one compiles."""
+    """fxbackend imports its kernels at import time: numba must load only when one compiles
+    (for every numba kernel module: rope's, rmsnorm's, rms_rope's)."""
     import subprocess
     import sys
-    code = ("import sys, fxbackend, fxbackend.cpu_kernels.rope; "
-            "print('numba' in sys.modules)")
+    code = ("import sys, fxbackend, fxbackend.cpu_kernels.rope, fxbackend.cpu_kernels.rmsnorm, "
+            "fxbackend.cpu_kernels.rms_rope; print('numba' in sys.modules)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 0, res.stderr

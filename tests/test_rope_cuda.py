@@ -10,9 +10,7 @@
 """
 from __future__ import annotations
 
-import json
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -31,7 +29,6 @@ from ext_util import compiled, contiguous_strides, registry_guard, set_outputs  
 
 OP = "sd.rope_apply.v1"
 CUDA = torch.device("cuda")
-HERE = pathlib.Path(__file__).parent
 
 # (dtype, atol, rtol)
 DTYPES = [
@@ -74,26 +71,13 @@ INTERP_CASES = _interp_cases()
 
 @pytest.fixture(scope="module")
 def interp_results() -> dict:
-    """Runs every interpreter case in one subprocess (one Triton import) and returns the
-    per-case results by id."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, str(HERE / "_rope_interp_check.py")],
-                          input=json.dumps(INTERP_CASES), capture_output=True, text=True,
-                          env=env, timeout=300)
-    assert proc.returncode == 0, \
-        f"interpreter run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    results = {}
-    for line in proc.stdout.splitlines():
-        r = json.loads(line)
-        results[r["id"]] = r
-    return results
+    """Runs every interpreter case in one subprocess (one Triton import); results by id."""
+    return interp.run_checker("_rope_interp_check.py", INTERP_CASES)
 
 
 @pytest.mark.parametrize("case", INTERP_CASES, ids=[c["id"] for c in INTERP_CASES])
 def test_interpreter_matches_the_reference(interp_results, case):
-    res = interp_results.get(case["id"])
-    assert res is not None, f"the interpreter run reported nothing for {case['id']}"
-    assert res["ok"], res["msg"]
+    interp.check_result(interp_results, case)
 
 
 # -- registration and import cost ---------------------------------------------------------------
@@ -105,8 +89,9 @@ def test_the_kernel_is_registered_for_cuda():
 
 
 def test_importing_fxbackend_does_not_import_triton():
-    code = ("import sys, fxbackend, fxbackend.cuda_kernels.rope; "
-            "sys.exit(1 if 'triton' in sys.modules else 0)")
+    """Nor does importing any of the Triton kernel modules (rmsnorm's and rms_rope's too)."""
+    code = ("import sys, fxbackend, fxbackend.cuda_kernels.rope, fxbackend.cuda_kernels.rmsnorm, "
+            "fxbackend.cuda_kernels.rms_rope; sys.exit(1 if 'triton' in sys.modules else 0)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     assert subprocess.run([sys.executable, "-c", code], env=env, timeout=120).returncode == 0
 
@@ -274,40 +259,6 @@ def test_compile_is_a_no_op_off_cuda():
 
 # -- compiled mode without a GPU: Triton's ahead-of-time path down to an sm_90 cubin ------------
 
-def _aot_compile(p, dtypes: tuple):
-    """Compile the kernel for these launch parameters the way a launch specialises it (ints
-    equal to 1 become constants, ints and pointers divisible by 16 get that attribute), through
-    Triton's ahead-of-time API (``triton.compile`` on an ``ASTSource``, as
-    ``triton/tools/compile.py`` does); needs ptxas, not a GPU."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    kernel = cuda_rope._kernel()
-    names = kernel.arg_names
-    ints = dict(zip(names[4:], p.args))
-    ptr = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
-    sig, constexprs, attrs = {}, {}, {}
-    for i, name in enumerate(names):
-        if i < 4:
-            sig[name] = ptr[dtypes[i]]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ints:
-            v = ints[name]
-            if v == 1:
-                sig[name], constexprs[name] = "constexpr", 1
-            else:
-                sig[name] = "i32" if -2**31 <= v < 2**31 else "i64"
-                if v % 16 == 0:
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[name] = "constexpr"
-    constexprs.update(INTERLEAVED=p.interleaved, BLOCK_R=p.block_r, BLOCK_D=p.block_d)
-    src = ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": cuda_rope.NUM_WARPS})
-
-
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiled mode only")
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.float32, torch.float32, torch.bfloat16),
@@ -317,8 +268,10 @@ def test_the_kernel_compiles_for_sm90_without_a_gpu(mode, dtypes):
     """Catches what the interpreter does not check (types, constexpr handling, lowering)."""
     x = torch.empty(2, 7, 3, 128).transpose(1, 2)  # strided rows: three leading dims
     p = cuda_rope._plan_of_tensors(x, torch.empty(7, 128), torch.empty(7, 128), mode, 128)
-    compiled_kernel = _aot_compile(p, dtypes)
-    assert compiled_kernel.asm.get("cubin"), "no cubin"
+    ck = interp.aot_compile(cuda_rope._kernel(), dtypes, p.args,
+                            {"INTERLEAVED": p.interleaved, "BLOCK_R": p.block_r,
+                             "BLOCK_D": p.block_d}, {"num_warps": cuda_rope.NUM_WARPS})
+    assert ck.asm.get("cubin"), "no cubin"
 
 
 # -- on a GPU: real model sizes through CompiledGraph -------------------------------------------
