@@ -3,8 +3,10 @@
 A fusion rule is an object registered per device type with :func:`register_fusion`:
 
 - ``name`` (str) and optional ``priority`` (int, higher tried first, default 0);
-- ``match(graph, i) -> n``: claims nodes ``i..i+n-1`` (0: no match).  It judges only whether the
-  range is *worth* fusing and computable by its kernel; the engine judges whether it is *legal*;
+- ``match(graph, i) -> n``: claims nodes ``i..i+n-1`` (0: no match; ``(0, reason)``: the chain is
+  recognised but declined, e.g. a layout or dtype its kernel lacks, and the reason goes into the
+  fusion report).  It judges only whether the range is *worth* fusing and computable by its
+  kernel; the engine judges whether it is *legal*;
 - optional ``optimize(graph)``: runs before matching; may move producer ranges later with
   :func:`graph_delay` so that a chain becomes consecutive;
 - ``execute(ctx, node, state, inputs, out, workspace)``: runs the fused range.  ``node`` is the
@@ -211,6 +213,17 @@ def _replace_uses(graph: Graph, old: Node, new: Node, from_index: int) -> None:
     graph.outputs = [new if o is old else o for o in graph.outputs]
 
 
+def _match_result(rule: Any, result: Any) -> tuple[int, str | None]:
+    """``match`` returns n (0: no match) or ``(0, reason)``: a chain the rule recognised but
+    declines (layout, dtype, no kernel for it), reported in the fusion report."""
+    if isinstance(result, tuple):
+        if len(result) != 2 or not isinstance(result[1], str) or int(result[0]) != 0:
+            raise TypeError(f"fusion rule {rule.name!r}: match returned {result!r}; expected "
+                            f"an int, or (0, reason) to decline a recognised chain")
+        return 0, result[1]
+    return int(result or 0), None
+
+
 def apply_fusions(graph: Graph, device_of, report: FusionReport) -> Graph:
     """Run every rule's ``optimize``, then match left to right; legal claims become fused nodes.
 
@@ -229,8 +242,10 @@ def apply_fusions(graph: Graph, device_of, report: FusionReport) -> Graph:
         claimed = 0
         if _is_compute(node):
             for rule in fusions_for(device_of(node)):
-                n = int(rule.match(graph, i) or 0)
+                n, why_not = _match_result(rule, rule.match(graph, i))
                 if n <= 0:
+                    if why_not:
+                        report.declined.append((rule.name, [node.id], why_not))
                     continue
                 ids = [x.id for x in graph.nodes[i:i + n]]
                 why = check_claim(graph, i, n, users)

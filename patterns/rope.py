@@ -418,7 +418,7 @@ class RmsRopeFusion:
         _, cos, sin = rope.srcs
         why = self.impl.why_not(x.meta, w.meta, cos.meta, sin.meta, chain[-1].meta.dtype,
                                 rope.params["mode"], rope.params["n_rot"])
-        return 0 if why is not None else len(chain)
+        return (0, f"{self.impl.name}: {why}") if why is not None else len(chain)
 
     def optimize(self, graph) -> None:
         """Make each norm -> rope [-> scale] [-> cast] chain consecutive (see the class doc)."""

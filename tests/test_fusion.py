@@ -282,6 +282,33 @@ def test_match_zero_claims_nothing(rules):
     assert any(kind == "match" for kind, _ in rule.log)
 
 
+def test_match_may_decline_a_recognised_chain_with_a_reason(rules):
+    class Declining(Rule):
+        def match(self, graph, i):
+            n = super().match(graph, i)
+            return (0, "no kernel for this layout") if n else 0
+
+    rule = rules.add(Declining("r_why", [MUL, ADD]))
+    b, n = chain3()
+    args = (rand(4, 8), rand(4, 8), rand(4, 8))
+    (out,), plan = run(b.g, *args)
+    torch.testing.assert_close(out, chain3_ref(*args), rtol=0, atol=0)
+    assert rule.calls == [] and fused_nodes(plan) == []
+    assert plan.fusion_report.declined == [("r_why", [n["u"].id], "no kernel for this layout")]
+    assert "declined r_why on %" in plan.fusion_report.format()
+
+
+def test_match_returning_a_malformed_tuple_is_an_error(rules):
+    class Bad(Rule):
+        def match(self, graph, i):
+            return (2, "claims and declines") if super().match(graph, i) else 0
+
+    rules.add(Bad("r_bad", [MUL, ADD]))
+    b, _ = chain3()
+    with pytest.raises(TypeError, match="r_bad.*expected an int, or \\(0, reason\\)"):
+        run(b.g, rand(4, 8), rand(4, 8), rand(4, 8))
+
+
 def test_rules_of_another_device_are_not_consulted(rules):
     other = rules.add(Rule("r_other_dev", [MUL, ADD]), device="fxb_test_device")
     b, _ = chain3()

@@ -154,11 +154,13 @@ def test_rule_declines_when_the_kernel_does():
     try:
         args = _attention_inputs()
         (q, _), (rq, _) = _run(_QK(), *args)
+        assert "rms_rope_declining" not in fxbackend.stats()["fusions_by_rule"]
+        text = fxbackend.explain(_QK(), *args)
     finally:
         fxbackend.unregister_fusion("cpu", r)
     torch.testing.assert_close(q, rq, rtol=1e-5, atol=1e-5)
-    assert "rms_rope_declining" not in fxbackend.stats()["fusions_by_rule"]
     assert r.impl.calls == 0
+    assert "declined rms_rope_declining on" in text and "no kernel for this" in text
 
 
 def test_reference_is_the_unfused_chain():
