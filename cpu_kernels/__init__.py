@@ -1,2 +1,3 @@
-"""fxbackend.cpu_kernels: filled in by the pattern and kernel issues."""
-from . import rms_rope, rmsnorm, rope  # noqa: F401
+"""fxbackend.cpu_kernels: numba CPU kernels, one module per pattern family."""
+from . import (activation, gated_residual, groupnorm, modulation, rms_rope, rmsnorm,  # noqa: F401
+               rope, scale_cast)

@@ -1,3 +1,4 @@
-"""fxbackend.cuda_kernels: filled in by the pattern and kernel issues."""
+"""fxbackend.cuda_kernels: Triton kernels, one module per pattern family."""
 
-from . import rms_rope, rmsnorm, rope  # noqa: F401
+from . import (activation, gated_residual, groupnorm, modulation, rms_rope, rmsnorm,  # noqa: F401
+               rope, scale_cast)

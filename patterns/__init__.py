@@ -2,4 +2,4 @@
 
 Importing this package registers every family through the public extension API.
 """
-from . import rmsnorm, rope  # noqa: F401
+from . import activation, gated_residual, groupnorm, modulation, rmsnorm, rope, scale_cast  # noqa: F401

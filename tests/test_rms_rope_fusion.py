@@ -220,7 +220,7 @@ def test_flux_fuses_q_and_k_of_every_single_stream_block():
     assert s["rewrites_by_rule"] == {"rope": 4, "rms_norm": 6}
     n_single = model.config.num_single_layers
     # the double-stream block concatenates text and image q/k between norm and RoPE: no chain
-    assert s["fusions_by_rule"] == {"rms_rope": 2 * n_single}
+    assert s["fusions_by_rule"]["rms_rope"] == 2 * n_single
     assert s["steps_by_kernel"]["rms_rope"] == 2 * n_single
     assert s["steps_by_kernel"]["rope_apply_cpu"] == 2  # the double-stream block's q and k
     assert s["steps_by_kernel"]["rms_norm_cpu"] == 4  # its four QK norms

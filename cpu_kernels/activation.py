@@ -1,0 +1,305 @@
+"""Activations after a linear on the CPU: the GEMM through torch (``addmm``/``mm`` with ``out=``)
+and one numba pass over its result, registered at the end as the kernels of the ``linear_act``
+and ``linear_glu`` fusion rules for "cpu" (:class:`LinearActCPU`, see
+``patterns/activation.py``).
+
+Maths (float32 arithmetic, no FMA contraction; constants as torch's CPU kernels in
+``aten/src/ATen/native/cpu/Activation.cpp`` / ``vec512_float.h`` use them)::
+
+    gelu_tanh(x) = (0.5 * x) * (1 + tanh(kBeta * (x + 0.044715 * (x * x * x))))
+                   kBeta = float32(sqrt(2) * (2 / sqrt(pi)) * 0.5)
+    gelu(x)      = (x * 0.5) * (1 + erf(x * float32(1 / sqrt(2))))
+    silu(x)      = x / (1 + exp(-x))
+    gated:  out  = round(round(act(y[gate half])) * y[other half])    (the chain's roundings)
+
+``tanh``, ``exp`` and ``erf`` are written out here instead of calling libm so that LLVM
+vectorises the row loops (numba has no vector math library here; a scalar ``tanhf`` call per
+element made the pass several times slower than torch's Sleef-vectorised ``gelu``):
+
+- ``exp``: Cephes ``expf`` (range reduction by ln 2 in two parts, degree-6 polynomial, 2^n by
+  exponent bits), about 1 ulp;
+- ``tanh``: Cephes ``tanhf`` (odd polynomial below |u| = 0.625, ``1 - 2 / (exp(2|u|) + 1)``
+  above, both computed and selected so the loop has no branch);
+- ``erf``: the Abramowitz-Stegun 7.1.26 formula with the constants torch's vectorised
+  ``Vectorized<float>::erf`` uses (absolute error about 1.5e-7 against the true erf), so it
+  tracks torch's result for the strided gate of GEGLU (which is not oneDNN's path).
+
+torch's own results are not reproducible bit for bit (Sleef on full vectors, libm on the tail
+of each row); the differences are a few float32 ulp (measured by tests/test_activation.py,
+reported by scripts/bench_activation.py).  Sources: Hendrycks & Gimpel, "GELUs" (arXiv
+1606.08415); Abramowitz & Stegun 7.1.26; S. Moshier, Cephes ``expf.c``/``tanhf.c``;
+diffusers ``GELU``/``GEGLU`` (``models/activations.py``).
+
+Layout: the GEMM result ``y`` is a contiguous ``[M, N]`` (``linear_act``: the output itself,
+activated in place in flat chunks) or ``[M, 2N]`` workspace (``linear_glu``: rows in parallel,
+each reading its two halves with unit stride and writing one contiguous output row).  bf16/fp16
+pass as bits and convert in registers (rope's ``_load``/``_store``, rmsnorm's ``_round_as``);
+kernels compile at plan time and are cached on disk (rope's cache dir).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+import fxbackend
+from fxbackend.patterns.activation import ACTS, LinearActFusion, LinearGluFusion, gemm_into
+
+from . import rmsnorm as _rms
+from .rmsnorm import _round_as
+from .rope import _NP_OF, _compile_lock, _load, _set_threads, _store
+
+__all__ = ["why_not", "compile_kernels", "activate_cpu", "glu_cpu", "LinearActCPU"]
+
+#: ``numba.prange`` once numba is imported (see ``cpu_kernels/rope.py``); ``range`` until then
+prange = range
+_jit_lock = threading.Lock()
+_kernels: dict = {}
+_ACT_ID = {a: k for k, a in enumerate(ACTS)}
+#: elements per parallel task of the in-place pass (64 KiB of float32: stays in L2)
+_CHUNK = 16384
+_BITS_OF = {torch.bfloat16: torch.int16, torch.float16: torch.uint16}
+
+# float32 constants (as torch's kernels compute them: in double, then rounded)
+_K_BETA = np.float32(2.0 ** 0.5 * (2.0 / np.pi ** 0.5) * 0.5)
+_K_KAPPA = np.float32(0.044715)
+_K_ALPHA = np.float32(2.0 ** -0.5)
+
+
+# -- element functions (registered with numba by _jit; float32 in, float32 out) ---------------
+
+def _expf(x):
+    """Cephes expf: |error| about 1 ulp; x clamped to [-87.3, 88.7] (exp underflows to the
+    smallest normal / overflows to 2^128 only beyond that)."""
+    x = np.float32(min(max(x, np.float32(-87.33654)), np.float32(88.72283)))
+    z = np.float32(np.floor(np.float32(1.44269504088896341) * x + np.float32(0.5)))
+    x = x - z * np.float32(0.693359375)
+    x = x - z * np.float32(-2.12194440e-4)
+    xx = x * x
+    p = np.float32(1.9875691500E-4) * x + np.float32(1.3981999507E-3)
+    p = p * x + np.float32(8.3334519073E-3)
+    p = p * x + np.float32(4.1665795894E-2)
+    p = p * x + np.float32(1.6666665459E-1)
+    p = p * x + np.float32(5.0000001201E-1)
+    p = p * xx + x + np.float32(1.0)
+    n = np.int32(z)
+    # p * 2^n in two steps so that n = 128 (x near 88.7) and n = -126.. stay representable
+    h = n >> np.int32(1)
+    s1 = np.int32((h + np.int32(127)) << np.int32(23)).view(np.float32)
+    s2 = np.int32((n - h + np.int32(127)) << np.int32(23)).view(np.float32)
+    return p * s1 * s2
+
+
+def _tanhf(u):
+    """Cephes tanhf, branch-free: about 1-2 ulp."""
+    a = abs(u)
+    z = u * u
+    small = ((((np.float32(-5.70498872745E-3) * z + np.float32(2.06390887954E-2)) * z
+               - np.float32(5.37397155531E-2)) * z + np.float32(1.33314422036E-1)) * z
+             - np.float32(3.33332819422E-1)) * z * u + u
+    e = _expf(min(a + a, np.float32(88.0)))
+    big = np.float32(1.0) - np.float32(2.0) / (e + np.float32(1.0))
+    big = big if u >= np.float32(0.0) else -big
+    return small if a <= np.float32(0.625) else big
+
+
+def _erff(x):
+    """Abramowitz-Stegun 7.1.26 with torch's constants (``Vectorized<float>::erf``)."""
+    a = abs(x)
+    t = np.float32(1.0) / (np.float32(0.3275911) * a + np.float32(1.0))
+    r = np.float32(1.061405429) * t + np.float32(-1.453152027)
+    r = r * t + np.float32(1.421413741)
+    r = r * t + np.float32(-0.284496736)
+    r = r * t + np.float32(0.254829592)
+    e = _expf(-(x * x))
+    v = np.float32(1.0) - (e * t) * r
+    return v if x >= np.float32(0.0) else -v
+
+
+def _gelu_tanh(x):
+    inner = _K_BETA * (x + _K_KAPPA * (x * x * x))
+    return (np.float32(0.5) * x) * (np.float32(1.0) + _tanhf(inner))
+
+
+def _gelu_erf(x):
+    return (x * np.float32(0.5)) * (np.float32(1.0) + _erff(x * _K_ALPHA))
+
+
+def _silu(x):
+    return x / (np.float32(1.0) + _expf(-x))
+
+
+# -- kernels (one pair per activation, so that the loops have no dispatch; module-level
+# functions, not closures, so that numba can cache them on disk).  The inner loops run over
+# slices (unit stride, bounds known), which is what lets LLVM vectorise them ----------------------
+
+def _inplace_gelu_tanh(buf, total, chunk):
+    for t in prange((total + chunk - 1) // chunk):
+        b = buf[t * chunk:min(t * chunk + chunk, total)]
+        for e in range(b.size):
+            _store(b, e, _gelu_tanh(_load(b, e)))
+
+
+def _inplace_gelu(buf, total, chunk):
+    for t in prange((total + chunk - 1) // chunk):
+        b = buf[t * chunk:min(t * chunk + chunk, total)]
+        for e in range(b.size):
+            _store(b, e, _gelu_erf(_load(b, e)))
+
+
+def _inplace_silu(buf, total, chunk):
+    for t in prange((total + chunk - 1) // chunk):
+        b = buf[t * chunk:min(t * chunk + chunk, total)]
+        for e in range(b.size):
+            _store(b, e, _silu(_load(b, e)))
+
+
+def _glu_gelu_tanh(y, out, rows, n, gate_off, other_off):
+    for r in prange(rows):
+        g = y[r * 2 * n + gate_off:r * 2 * n + gate_off + n]
+        h = y[r * 2 * n + other_off:r * 2 * n + other_off + n]
+        o = out[r * n:r * n + n]
+        for j in range(n):
+            _store(o, j, _round_as(out, _gelu_tanh(_load(g, j))) * _load(h, j))
+
+
+def _glu_gelu(y, out, rows, n, gate_off, other_off):
+    for r in prange(rows):
+        g = y[r * 2 * n + gate_off:r * 2 * n + gate_off + n]
+        h = y[r * 2 * n + other_off:r * 2 * n + other_off + n]
+        o = out[r * n:r * n + n]
+        for j in range(n):
+            _store(o, j, _round_as(out, _gelu_erf(_load(g, j))) * _load(h, j))
+
+
+def _glu_silu(y, out, rows, n, gate_off, other_off):
+    for r in prange(rows):
+        g = y[r * 2 * n + gate_off:r * 2 * n + gate_off + n]
+        h = y[r * 2 * n + other_off:r * 2 * n + other_off + n]
+        o = out[r * n:r * n + n]
+        for j in range(n):
+            _store(o, j, _round_as(out, _silu(_load(g, j))) * _load(h, j))
+
+
+_PY_KERNELS = {"gelu_tanh": (_inplace_gelu_tanh, _glu_gelu_tanh),
+               "gelu": (_inplace_gelu, _glu_gelu), "silu": (_inplace_silu, _glu_silu)}
+
+
+def _jit(act: str):
+    """(in-place kernel, gated kernel) for ``act`` (each compiles per dtype when first called)."""
+    k = _kernels.get(act)
+    if k is not None:
+        return k
+    global prange
+    _rms._register()  # numba imported; rope's/rmsnorm's helpers registered
+    with _jit_lock:
+        import numba
+        if not _kernels:
+            from numba.extending import register_jitable
+            prange = numba.prange
+            for fn in (_expf, _tanhf, _erff, _gelu_tanh, _gelu_erf, _silu):
+                register_jitable(inline="always")(fn)
+        if act not in _kernels:
+            # error_model="numpy": no ZeroDivisionError check on the divisions (which are never
+            # by zero here), without which LLVM does not vectorise the loops (5-10x slower)
+            jit = numba.njit(parallel=True, cache=True, fastmath=False, nogil=True,
+                             error_model="numpy")
+            _kernels[act] = tuple(jit(f) for f in _PY_KERNELS[act])
+    return _kernels[act]
+
+
+# -- launchers ----------------------------------------------------------------------------------
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    """A flat numpy view of a contiguous CPU tensor (16-bit floats as their bits)."""
+    t = t.reshape(-1)
+    if t.dtype in _BITS_OF:
+        t = t.view(_BITS_OF[t.dtype])
+    return t.numpy()
+
+
+def activate_cpu(buf: torch.Tensor, act: str) -> torch.Tensor:
+    """``buf = act(buf)`` in place (contiguous CPU float32/bf16/fp16); returns ``buf``."""
+    inplace, _ = _jit(act)
+    _set_threads()
+    if buf.numel():
+        inplace(_np(buf), buf.numel(), _CHUNK)
+    return buf
+
+
+def glu_cpu(y: torch.Tensor, out: torch.Tensor, act: str, gate: int) -> torch.Tensor:
+    """``out = round(act(y[:, gate half])) * y[:, other half]`` for contiguous ``y`` ``[M, 2N]``
+    and ``out`` ``[M, N]`` of one dtype that do not overlap; returns ``out``."""
+    _, glu = _jit(act)
+    _set_threads()
+    m, n = out.shape
+    if out.numel():
+        glu(_np(y), _np(out), m, n, gate * n, (1 - gate) * n)
+    return out
+
+
+def why_not(x: Any, w: Any, bias: Any, out_dtype: Any, act: Any, gated: Any) -> str | None:
+    """None when the fused step computes the chain for tensors with these metadata
+    (``fxbackend.TensorMeta``), else a short reason.  Never raises.  Handled: 2-D x and w on
+    the CPU of one dtype float32/bf16/fp16 (any strides: the GEMM is torch's), any bias torch's
+    addmm takes, the activations of ``ACTS``."""
+    try:
+        if act not in _ACT_ID:
+            return f"activation {act!r} (one of {ACTS})"
+        for label, m in (("x", x), ("w", w), ("bias", bias)):
+            if m is None and label == "bias":
+                continue
+            if not isinstance(m, fxbackend.TensorMeta):
+                return f"{label} is not a tensor"
+            if m.device.type != "cpu":
+                return f"{label} on {m.device} (the CPU kernel)"
+            if m.dtype != out_dtype:
+                return f"{label} dtype {m.dtype} differs from the output's {out_dtype}"
+        if out_dtype not in _NP_OF:
+            return f"dtype {out_dtype} (float32, bfloat16 or float16)"
+        if len(x.shape) != 2 or len(w.shape) != 2:
+            return "x and w must be 2-D"
+        if act == "gelu" and not gated:
+            # torch runs a contiguous erf GELU through oneDNN: faster than this pass (6 vs 17 ms
+            # per 12.5M floats here) and not reproducible bit for bit; leave it native
+            return "erf GELU on a contiguous GEMM output: torch's oneDNN GELU is faster"
+        return None
+    except Exception as exc:  # never raise: decline with the reason
+        return f"metadata not understood ({type(exc).__name__}: {exc})"
+
+
+def compile_kernels(dtype: torch.dtype, act: str) -> None:
+    """Compile (or load from the disk cache) both kernels for ``dtype`` and ``act`` by calls
+    with no elements on exactly the types a launch passes.  Thread-safe."""
+    inplace, glu = _jit(act)
+    z = np.zeros(0, _NP_OF[dtype])
+    with _compile_lock:
+        inplace(z, 0, _CHUNK)
+        glu(z, z, 0, 0, 0, 0)
+
+
+class LinearActCPU:
+    """The kernel behind ``linear_act`` / ``linear_glu`` on the CPU (interface:
+    ``fxbackend.patterns.activation``): torch's GEMM into ``y``, then one numba pass."""
+
+    name = "linear_act_cpu"
+
+    def why_not(self, x, w, bias, out_dtype, act, gated):
+        return why_not(x, w, bias, out_dtype, act, gated)
+
+    def compile(self, x, w, bias, out_dtype, act, gated):
+        compile_kernels(out_dtype, act)
+
+    def run(self, x, w, bias, y, out, *, act, gate, beta, alpha):
+        gemm_into(y, x, w, bias, beta, alpha)
+        if gate is None:
+            activate_cpu(out, act)
+        else:
+            glu_cpu(y, out, act, gate)
+
+
+_IMPL = LinearActCPU()
+fxbackend.register_fusion("cpu", LinearActFusion(_IMPL))
+fxbackend.register_fusion("cpu", LinearGluFusion(_IMPL))

@@ -1,0 +1,375 @@
+"""GroupNorm [-> SiLU] on the CPU in one pass: a numba kernel computing
+``group_norm_silu_reference`` (``patterns/groupnorm.py``), registered at the end as the kernel of
+the ``group_norm_silu`` fusion rule for "cpu" (:class:`GroupNormSiluCPU`).
+
+Maths per (sample n, group g) over its m = (C/G) * HxW elements (``round`` = round to nearest
+even to x's dtype, the identity for float32; ``fma`` a fused multiply-add, one rounding)::
+
+    x0    = float(x[first element of the group])
+    s1    = sum(float64(x) - x0),  s2 = sum((float64(x) - x0)^2)       float64, any order
+    mean  = float32(x0 + s1 / m)
+    var   = max(s2 / m - (s1 / m)^2, 0)                                 float64
+    rstd  = float32(1 / sqrt(var + eps))
+    per channel c:  scale = rstd * w[c],  bias = fma(-scale, mean, b[c])            float32
+    y     = round(fma(x, scale, bias))                                  = native_group_norm
+    out   = round(y / (1 + exp(-y)))                                    with SiLU
+
+The scale/bias/fma form is torch's CPU kernel's (``group_norm_kernel.cpp``): given torch's own
+mean and rstd it reproduces torch's float32 output bit for bit (checked on SD1.5 shapes,
+NCHW and channels-last, when this kernel was written).  The
+moments are not torch's (a vectorised float32 Welford cascade whose order depends on the CPU's
+vector width): a shifted float64 sum is used instead, which is within about one float32 ulp of the
+exact mean and variance, as torch's are; so float32 outputs differ from torch by a few ulp of
+|x - mean| * rstd * w (measured in the tests and the benchmark).  ``exp`` is Cephes' ``expf``
+(range reduction by ln 2 in two parts, a degree-6 polynomial with FMA, 2^n applied as two
+factors so overflow and underflow round as IEEE does); it is written in plain arithmetic so that
+LLVM vectorises the loop (numba has no vector ``exp`` without Intel SVML, and a scalar libm call
+per element was ~10x slower).  Its error is within 2 ulp of torch's Sleef ``exp``.  Sources:
+Wu and He, "Group Normalization" (arXiv 1803.08494); S. Moshier, Cephes ``expf.c``; torch
+``group_norm_kernel.cpp`` and ``Activation.cpp`` (``x / (1 + exp(-x))``).
+
+Layout.  x and out are dense NCHW (any number of spatial dims) or dense channels-last, the same
+for both (``memory_format_of``); other strides are declined.  A task is one (n, g) (``prange``):
+NCHW groups are one contiguous run of m elements, read once from memory for the moments and a
+second time from L2 (a group of SD1.5's UNet is at most 160 KB) for the output; channels-last
+groups are runs of C/G channels at stride C, accumulated per channel so the inner loop has no
+reduction.  The weight and bias are contiguous ``[C]`` vectors (float32 or x's dtype).
+bf16/fp16 pass as int16/uint16 bits converted in registers (``cpu_kernels/rope.py``); the
+kernel compiles at plan time and is cached on disk (rope's cache dir; keyed on this file alone).
+"""
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+import fxbackend
+from fxbackend.patterns.groupnorm import GroupNormSiluFusion, memory_format_of
+
+from . import rmsnorm as _rms
+from .rope import _NP_OF, _compile_lock, _flat, _load, _set_threads, _store
+from .rmsnorm import _round_as
+
+__all__ = ["why_not", "group_norm_silu_cpu", "compile_kernels", "GroupNormSiluCPU"]
+
+#: ``numba.prange`` once numba is imported (see ``cpu_kernels/rope.py``); ``range`` until then
+prange = range
+_jit_lock = threading.Lock()
+_kernel = None
+
+
+def _jit():
+    """The jitted kernels ``(nchw, nhwc)`` (created once; each compiles per dtype combination
+    when first called)."""
+    global _kernel, prange
+    if _kernel is None:
+        _rms._register()  # numba imported; rope's and rmsnorm's helpers registered
+        with _jit_lock:
+            if _kernel is None:
+                import numba
+                from numba import types
+                from numba.extending import intrinsic, overload, register_jitable
+                prange = numba.prange
+
+                @intrinsic
+                def fma32(typingctx, a, b, c):
+                    sig = types.float32(types.float32, types.float32, types.float32)
+
+                    def codegen(context, builder, signature, args):
+                        return builder.fma(*args)  # llvm.fma.f32: one rounding
+                    return sig, codegen
+
+                overload(_fma, strict=False)(
+                    lambda a, b, c: lambda a, b, c: fma32(np.float32(a), np.float32(b),
+                                                          np.float32(c)))
+                for fn in (_expf, _silu, _finish, _scale_bias):
+                    register_jitable(fn)
+                # the sums alone may be reordered (vectorised partial sums); see the docstring
+                overload(_moments_run, jit_options={"fastmath": {"reassoc"}}, strict=False)(
+                    lambda x, base, m, x0: _moments_run)
+                opts = dict(parallel=True, cache=True, fastmath=False, nogil=True)
+                _kernel = (numba.njit(**opts)(_gn_nchw_kernel),
+                           numba.njit(**opts)(_gn_nhwc_kernel))
+    return _kernel
+
+
+# -- jitted helpers (float32 maths unless stated) -----------------------------------------------
+
+def _fma(a, b, c):
+    """``a * b + c`` with one rounding (float32): jit only."""
+    raise NotImplementedError("_fma is a numba helper: call it from a jitted kernel")
+
+
+_LOG2E = np.float32(1.44269504088896341)
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(-2.12194440e-4)
+_P0 = np.float32(1.9875691500e-4)
+_P1 = np.float32(1.3981999507e-3)
+_P2 = np.float32(8.3334519073e-3)
+_P3 = np.float32(4.1665795894e-2)
+_P4 = np.float32(1.6666665459e-1)
+_P5 = np.float32(5.0000001201e-1)
+
+
+def _expf(a):
+    """exp(a) for float32 ``a`` (Cephes expf; see the module docstring).  NaN gives NaN."""
+    a = min(max(a, np.float32(-104.0)), np.float32(89.0))  # beyond: 0 / inf after scaling
+    fx = np.floor(a * _LOG2E + np.float32(0.5))
+    r = a - fx * _LN2_HI
+    r = r - fx * _LN2_LO
+    p = _fma(_P0, r, _P1)
+    p = _fma(p, r, _P2)
+    p = _fma(p, r, _P3)
+    p = _fma(p, r, _P4)
+    p = _fma(p, r, _P5)
+    p = _fma(p, r * r, r) + np.float32(1.0)
+    n = np.int32(fx)
+    h = n >> np.int32(1)  # 2^n as 2^h * 2^(n-h): both factors are normal floats
+    s1 = np.uint32((h + np.int32(127)) << np.int32(23)).view(np.float32)
+    s2 = np.uint32((n - h + np.int32(127)) << np.int32(23)).view(np.float32)
+    return p * s1 * s2
+
+
+def _silu(y):
+    return y / (np.float32(1.0) + _expf(-y))
+
+
+#: elements (NCHW) summed in float32 before the partial sums go to float64
+_BLOCK = 512
+#: spatial positions per task of the channels-last kernel
+_ROWS = 64
+
+
+def _moments_run(x, base, m, x0):
+    """``(s1, s2)``: sums of ``x[base:base+m] - x0`` and of its squares; float32 within blocks
+    of ``_BLOCK`` elements, float64 across them.  Compiled with ``reassoc`` so that LLVM
+    vectorises the float32 sums into partial sums."""
+    s1 = 0.0
+    s2 = 0.0
+    for k0 in range(0, m, _BLOCK):
+        xr = x[base + k0:base + min(m, k0 + _BLOCK)]
+        a1 = np.float32(0.0)
+        a2 = np.float32(0.0)
+        for i in range(xr.shape[0]):
+            v = _load(xr, i) - x0
+            a1 += v
+            a2 += v * v
+        s1 += np.float64(a1)
+        s2 += np.float64(a2)
+    return s1, s2
+
+
+def _finish(x0, s1, s2, m, eps):
+    """``(mean, rstd)`` as float32 from the sums shifted by ``x0`` (float64 maths)."""
+    d1 = s1 / m
+    var = max(s2 / m - d1 * d1, 0.0)
+    return np.float32(np.float64(x0) + d1), np.float32(1.0 / math.sqrt(var + eps))
+
+
+def _scale_bias(w, b, c0, d, mean, rstd, scale, bias, s0):
+    """Per channel ``c0 + j`` (j < d): ``scale = rstd * w``, ``bias = fma(-scale, mean, b)``
+    into ``scale[s0 + j]``, ``bias[s0 + j]`` (torch's form)."""
+    for j in range(d):
+        sc = rstd * _load(w, c0 + j)
+        scale[s0 + j] = sc
+        bias[s0 + j] = _fma(-sc, mean, _load(b, c0 + j))
+
+
+def _gn_nchw_kernel(x, w, b, out, nb, c, hw, groups, eps, silu):
+    """Dense NCHW: one (n, g) per iteration of the parallel loop; the group is the contiguous
+    run ``x[t*m:(t+1)*m]``, read once for the moments and again (from L2) for the output."""
+    d = c // groups
+    m = d * hw
+    for task in prange(nb * groups):
+        t = np.int64(task)  # prange indices may be unsigned
+        c0 = (t % groups) * d
+        base = t * m
+        x0 = _load(x, base)
+        s1, s2 = _moments_run(x, base, m, x0)
+        mean, rstd = _finish(x0, s1, s2, m, eps)
+        scale = np.empty(d, np.float32)
+        bias = np.empty(d, np.float32)
+        _scale_bias(w, b, c0, d, mean, rstd, scale, bias, 0)
+        for j in range(d):
+            o = base + j * hw
+            xr = x[o:o + hw]
+            orow = out[o:o + hw]
+            sc = scale[j]
+            bi = bias[j]
+            if silu:
+                for k in range(hw):
+                    _store(orow, k, _silu(_round_as(xr, _fma(_load(xr, k), sc, bi))))
+            else:
+                for k in range(hw):
+                    _store(orow, k, _fma(_load(xr, k), sc, bi))
+
+
+def _gn_nhwc_kernel(x, w, b, out, nb, c, hw, groups, eps, silu):
+    """Dense channels-last ([N, HxW, C] in memory): three parallel phases over (n, tile of
+    ``_ROWS`` positions) with whole rows of C contiguous channels (vectorised across channels):
+    per-channel shifted sums (float32 within a tile, float64 across tiles), per-(n, g) moments
+    and per-(n, c) scale/bias, then the output."""
+    d = c // groups
+    m = d * hw
+    ntile = (hw + _ROWS - 1) // _ROWS
+    part = np.zeros((nb * ntile, 2, c), np.float64)
+    shift = np.empty((nb, c), np.float32)  # the first element of each (n, g), per channel
+    for n in range(nb):
+        for j in range(c):
+            shift[n, j] = _load(x, n * hw * c + (j // d) * d)
+    for task in prange(nb * ntile):
+        t = np.int64(task)
+        n = t // ntile
+        p0 = (t % ntile) * _ROWS
+        a1 = np.zeros(c, np.float32)
+        a2 = np.zeros(c, np.float32)
+        sh = shift[n]
+        for p in range(p0, min(hw, p0 + _ROWS)):
+            o = (n * hw + p) * c
+            xr = x[o:o + c]
+            for j in range(c):
+                v = _load(xr, j) - sh[j]
+                a1[j] += v
+                a2[j] += v * v
+        for j in range(c):
+            part[t, 0, j] = a1[j]
+            part[t, 1, j] = a2[j]
+    scale = np.empty((nb, c), np.float32)
+    bias = np.empty((nb, c), np.float32)
+    for task in prange(nb * groups):
+        t = np.int64(task)
+        n = t // groups
+        c0 = (t % groups) * d
+        s1 = 0.0
+        s2 = 0.0
+        for k in range(n * ntile, (n + 1) * ntile):
+            for j in range(c0, c0 + d):
+                s1 += part[k, 0, j]
+                s2 += part[k, 1, j]
+        mean, rstd = _finish(shift[n, c0], s1, s2, m, eps)
+        _scale_bias(w, b, c0, d, mean, rstd, scale[n], bias[n], c0)
+    for task in prange(nb * ntile):
+        t = np.int64(task)
+        n = t // ntile
+        p0 = (t % ntile) * _ROWS
+        sc = scale[n]
+        bi = bias[n]
+        for p in range(p0, min(hw, p0 + _ROWS)):
+            o = (n * hw + p) * c
+            xr = x[o:o + c]
+            orow = out[o:o + c]
+            if silu:
+                for j in range(c):
+                    _store(orow, j, _silu(_round_as(xr, _fma(_load(xr, j), sc[j], bi[j]))))
+            else:
+                for j in range(c):
+                    _store(orow, j, _fma(_load(xr, j), sc[j], bi[j]))
+
+
+# -- launcher -----------------------------------------------------------------------------------
+
+def why_not(x: Any, w: Any, b: Any, out: Any, groups: Any, eps: Any) -> str | None:
+    """None when the kernel computes ``group_norm_silu_reference(x, w, b, groups, eps)`` into a
+    tensor with ``out``'s metadata (``fxbackend.TensorMeta``), else a short reason.  Never
+    raises.  Handled: x float32/bf16/fp16 on the CPU, dense NCHW or dense channels-last (out the
+    same); contiguous 1-D ``[C]`` weight and bias of float32 or x's dtype; C divisible by the
+    groups; a finite eps >= 0."""
+    try:
+        metas = (("x", x), ("weight", w), ("bias", b), ("out", out))
+        for name, mt in metas:
+            if not isinstance(mt, fxbackend.TensorMeta):
+                return f"{name} is not a tensor"
+            if getattr(mt.device, "type", None) != "cpu":
+                return f"{name} is on {mt.device}, not the CPU"
+            if mt.is_symbolic:
+                return "symbolic metadata"
+        if x.dtype not in _NP_OF:
+            return f"x dtype {x.dtype} (float32, bfloat16 or float16)"
+        if out.dtype != x.dtype or tuple(out.shape) != tuple(x.shape):
+            return f"out {out.dtype}{list(out.shape)} is not x's dtype and shape"
+        if len(x.shape) < 2:
+            return f"x has {len(x.shape)} dims (N, C, ...)"
+        c = int(x.shape[1])
+        for name, mt in (("weight", w), ("bias", b)):
+            if mt.dtype not in (torch.float32, x.dtype):
+                return f"{name} dtype {mt.dtype} (float32 or x's {x.dtype})"
+            if tuple(mt.shape) != (c,) or (c > 1 and tuple(mt.stride) != (1,)):
+                return f"{name} is not a contiguous [{c}] vector"
+        if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1 or c % groups:
+            return f"groups {groups!r} does not divide C={c}"
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0 or \
+                not math.isfinite(eps):
+            return f"eps {eps!r} (a finite float >= 0)"
+        fx, fo = memory_format_of(x.shape, x.stride), memory_format_of(out.shape, out.stride)
+        if fx is None:
+            return f"x strides {tuple(x.stride)} are neither dense NCHW nor channels-last"
+        if fo != fx:
+            return f"out layout {fo} differs from x's {fx}"
+        return None
+    except Exception as exc:  # never raise: decline with the reason
+        return f"metadata not understood ({type(exc).__name__}: {exc})"
+
+
+def _launch(x, w, b, out, groups: int, eps: float, silu: bool) -> None:
+    n, c = int(x.shape[0]), int(x.shape[1])
+    numel = x.numel()
+    if numel == 0:
+        return
+    hw = numel // (n * c)
+    cl = memory_format_of(x.shape, x.stride()) == "nhwc"
+    fn = _jit()[1 if cl else 0]
+    _set_threads()
+    fn(_flat(x, numel), _flat(w, c), _flat(b, c), _flat(out, numel), n, c, hw, groups,
+       float(eps), bool(silu))
+
+
+def group_norm_silu_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                        out: torch.Tensor, *, groups: int, eps: float,
+                        silu: bool = True) -> torch.Tensor:
+    """``out = group_norm_silu_reference(x, weight, bias, groups, eps, silu)`` (returned):
+    ``out`` a CPU tensor of x's shape, dtype and memory format that does not overlap the inputs
+    (not checked).  Raises ValueError naming the problem for inputs the kernel does not take
+    (see :func:`why_not`)."""
+    ts = {"x": x, "weight": weight, "bias": bias, "out": out}
+    for label, t in ts.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"group_norm_silu_cpu: {label} must be a tensor, got "
+                             f"{type(t).__name__}")
+    why = why_not(*(fxbackend.TensorMeta.of(t) for t in ts.values()), groups, eps)
+    if why is not None:
+        raise ValueError(f"group_norm_silu_cpu: unsupported input: {why}")
+    _launch(x, weight, bias, out, groups, eps, silu)
+    return out
+
+
+def compile_kernels(x_dtype: torch.dtype, w_dtype: torch.dtype, b_dtype: torch.dtype) -> None:
+    """Compile (or load from the disk cache) the kernel for these dtypes (layout and SiLU are
+    run-time arguments) by a call with no groups.  Thread-safe."""
+    kernels = _jit()
+    with _compile_lock:  # see rope's compile_kernels
+        for fn in kernels:
+            fn(np.zeros(1, _NP_OF[x_dtype]), np.zeros(1, _NP_OF[w_dtype]),
+               np.zeros(1, _NP_OF[b_dtype]), np.zeros(1, _NP_OF[x_dtype]), 0, 1, 1, 1, 1e-5,
+               True)
+
+
+class GroupNormSiluCPU:
+    """The numba kernel behind the ``group_norm_silu`` fusion rule on the CPU (interface:
+    ``fxbackend.patterns.groupnorm.GroupNormSiluFusion``)."""
+
+    name = "group_norm_silu_cpu"
+
+    def why_not(self, x, w, b, out, groups, eps):
+        return why_not(x, w, b, out, groups, eps)
+
+    def compile(self, x, w, b, out, groups, silu):
+        compile_kernels(x.dtype, w.dtype, b.dtype)
+
+    def run(self, x, w, b, out, *, groups, eps, silu):
+        _launch(x, w, b, out, groups, eps, silu)
+
+
+fxbackend.register_fusion("cpu", GroupNormSiluFusion(GroupNormSiluCPU()))

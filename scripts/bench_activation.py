@@ -1,0 +1,119 @@
+"""Benchmark: Linear -> activation (``linear_act``) and Linear -> GEGLU (``linear_glu``) on the CPU.
+
+For each shape (feed-forwards of real configs) and float32, three implementations of the same
+function, interleaved in rounds (median ms; GB/s counts the GEMM output written once and the
+activation pass's reads/writes, TFLOP/s the GEMM):
+
+- eager: ``addmm`` then ``gelu`` (GEGLU: ``chunk``, ``gelu(gate)``, ``hidden * ...``), as the
+  model runs it;
+- inductor: ``torch.compile`` of the same function (default backend);
+- fused: the ``linear_act_cpu`` kernel (torch's addmm into the output/workspace, one numba pass).
+
+Rows are capped (``--rows``, default 1024) because a 2-core CPU needs seconds for a full
+4608-token Flux GEMM; the per-row cost is the same.  Goals printed: fused faster than eager and
+not slower than Inductor.  Raw results go to ``bench_results/activation.json``.
+
+    .venv/bin/python scripts/bench_activation.py [--rows 1024] [--rounds 7]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import time
+
+import torch
+
+import fxbackend.cpu_kernels.activation  # noqa: F401
+from fxbackend.cpu_kernels.activation import LinearActCPU, compile_kernels
+from fxbackend.patterns.activation import act_reference
+
+#: (name, tokens, K, N, act, gated): feed-forward GEMMs of real configs
+CONFIGS = [
+    ("flux_ff (Flux.1, 4096+512 tokens, 3072 -> 12288, gelu tanh)", 4608, 3072, 12288,
+     "gelu_tanh", False),
+    ("sd3_ff (SD3-medium, 4096+333 tokens, 1536 -> 6144, gelu tanh)", 4429, 1536, 6144,
+     "gelu_tanh", False),
+    ("unet_geglu_320 (SD1.5 64x64 latents, 320 -> 2x1280, GEGLU erf)", 4096, 320, 1280,
+     "gelu", True),
+    ("unet_geglu_640 (SD1.5 32x32, 640 -> 2x2560, GEGLU erf)", 1024, 640, 2560, "gelu", True),
+    ("unet_geglu_1280 (SD1.5 16x16, 1280 -> 2x5120, GEGLU erf)", 256, 1280, 5120, "gelu", True),
+]
+
+
+def eager_fn(act, gated):
+    if gated:
+        def f(b, x, w):
+            h, g = torch.addmm(b, x, w).chunk(2, dim=-1)
+            return h * act_reference(g, act)
+    else:
+        def f(b, x, w):
+            return act_reference(torch.addmm(b, x, w), act)
+    return f
+
+
+def median_ms(fn, rounds_out, key):
+    t0 = time.perf_counter()
+    fn()
+    rounds_out[key].append((time.perf_counter() - t0) * 1e3)
+
+
+def bench(name, m, k, n, act, gated, rounds):
+    g = torch.Generator().manual_seed(0)
+    n2 = 2 * n if gated else n
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n2, k, generator=g).t()
+    b = torch.randn(n2, generator=g)
+    f = eager_fn(act, gated)
+    ind = torch.compile(f)
+    impl = LinearActCPU()
+    compile_kernels(torch.float32, act)
+    out = torch.empty(m, n)
+    y = torch.empty(m, n2) if gated else out
+    gate = 1 if gated else None
+
+    def fused():
+        impl.run(x, w, b, y, out, act=act, gate=gate, beta=1, alpha=1)
+
+    want = f(b, x, w)
+    ind(b, x, w)  # compile
+    fused()
+    err = ((out - want).abs().max() / want.abs().max()).item()
+    ts = {"eager": [], "inductor": [], "fused": []}
+    for _ in range(rounds):
+        median_ms(lambda: f(b, x, w), ts, "eager")
+        median_ms(lambda: ind(b, x, w), ts, "inductor")
+        median_ms(fused, ts, "fused")
+    med = {k_: statistics.median(v) for k_, v in ts.items()}
+    # bytes: GEMM output written once + the activation pass (fused: read y, write out)
+    nbytes = 4 * (m * n2 + m * n2 + m * n)
+    flops = 2 * m * k * n2
+    row = {"name": name, "m": m, "k": k, "n": n, "act": act, "gated": gated,
+           "max_rel_err_vs_eager": err, "ms": med,
+           "gbps": {k_: nbytes / v / 1e6 for k_, v in med.items()},
+           "tflops": {k_: flops / v / 1e9 for k_, v in med.items()}}
+    print(f"{name}\n  rows {m}: eager {med['eager']:.2f} ms, inductor {med['inductor']:.2f} ms, "
+          f"fused {med['fused']:.2f} ms ({row['tflops']['fused']:.3f} TFLOP/s, "
+          f"{row['gbps']['fused']:.1f} GB/s); eager/fused {med['eager'] / med['fused']:.3f}x, "
+          f"inductor/fused {med['inductor'] / med['fused']:.3f}x; max rel err {err:.2e}")
+    print(f"  goals: fused faster than eager: {med['fused'] < med['eager']}; "
+          f"not slower than inductor: {med['fused'] <= med['inductor']}")
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    rows = [bench(name, min(m, args.rows), k, n, act, gated, args.rounds)
+            for name, m, k, n, act, gated in CONFIGS]
+    path = pathlib.Path(__file__).resolve().parent.parent / "bench_results" / "activation.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows}, indent=1))
+    print(f"raw results: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""Activations after a linear: the ``linear_act`` / ``linear_glu`` fusion rules
+(patterns/activation.py), the numba CPU kernel (cpu_kernels/activation.py) and the Triton kernel
+(cuda_kernels/activation.py, in Triton's interpreter; real sizes when a GPU is present).
+
+Tolerances: float32 to 1e-5 (the GEMM is the same call; the activation differs from torch's by a
+few ulp: torch's vectorised Sleef/oneDNN functions vs the written-out ones); 16-bit within one
+rounding of the output dtype."""
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers.models.attention import FeedForward
+
+import fxbackend
+import fxbackend.cpu_kernels.activation  # noqa: F401  (registers the CPU rules)
+import fxbackend.cuda_kernels.activation  # noqa: F401  (registers the CUDA rules)
+from fxbackend import models
+from fxbackend.cpu_kernels.activation import LinearActCPU, activate_cpu, glu_cpu
+from fxbackend.patterns.activation import (ACTS, LinearActFusion, ReferenceLinearAct,
+                                           act_reference, linear_act_reference)
+
+import _rope_interp_check as interp
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+#: (atol, rtol) per dtype: float32 as the brief asks, 16-bit one unit in the last place
+TOL = {F32: (1e-5, 1e-5), BF16: (2.0 ** -7, 2.0 ** -7), F16: (2.0 ** -10, 2.0 ** -10)}
+SHAPES = [(1, 5, 3), (7, 33, 19), (130, 64, 257)]  # (M, K, N): odd, a row of one, > one chunk
+
+
+def _operands(m, k, n2, dtype, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=g) * 2).to(dtype)
+    w = torch.randn(n2, k, generator=g).to(dtype).t()  # t(W), strided as in the chain
+    b = torch.randn(n2, generator=g).to(dtype) if bias else None
+    return x, w, b
+
+
+# -- the CPU kernel against the reference -----------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+@pytest.mark.parametrize("act", ACTS)
+def test_activation_accuracy_against_torch(act, dtype):
+    # dense values over the range that matters, incl. the tails (|x| up to 12)
+    x = torch.cat([torch.linspace(-12, 12, 200_001), torch.randn(10_000) * 3]).to(dtype)
+    got = activate_cpu(x.clone(), act)
+    want = act_reference(x, act)
+    err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+    assert err < (1e-6 if dtype == F32 else TOL[dtype][0]), err
+    if dtype != F32:  # at most one rounding apart, nearly all equal (erf: torch's 16-bit
+        # gelu goes through oneDNN's erf, ours is the A&S formula of its vectorised path)
+        assert (got == want).float().mean() > (0.95 if act == "gelu" else 0.99)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("gated,gate", [(False, None), (True, 1), (True, 0)])
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_cpu_kernel_matches_reference(m, k, n, gated, gate, act, dtype):
+    n2 = 2 * n if gated else n
+    x, w, b = _operands(m, k, n2, dtype, bias=(n % 2 == 1))
+    out = torch.full((m, n), float("nan"), dtype=dtype)
+    y = torch.empty(m, n2, dtype=dtype) if gated else out
+    LinearActCPU().run(x, w, b, y, out, act=act, gate=gate, beta=1, alpha=1)
+    want = linear_act_reference(x, w, b, act, gate)
+    atol, rtol = TOL[dtype]
+    scale = want.float().abs().max().item()
+    torch.testing.assert_close(out, want, atol=atol * scale, rtol=rtol)
+
+
+def test_glu_kernel_reads_strided_halves_of_one_buffer():
+    y = torch.randn(3, 2 * 5)
+    out = torch.empty(3, 5)
+    glu_cpu(y, out, "gelu", 1)
+    torch.testing.assert_close(out, y[:, :5] * torch.nn.functional.gelu(y[:, 5:]),
+                               atol=1e-6, rtol=1e-6)
+
+
+# -- the rules on whole graphs ----------------------------------------------------------------
+
+class _SwiGLU(torch.nn.Module):
+    """A packed SwiGLU: ``up, gate = proj(x).chunk(2, -1); silu(gate) * up``."""
+
+    def __init__(self, d=16, inner=24):
+        super().__init__()
+        self.proj = torch.nn.Linear(d, 2 * inner)
+        self.out = torch.nn.Linear(inner, d)
+
+    def forward(self, x):
+        up, gate = self.proj(x).chunk(2, dim=-1)
+        return self.out(torch.nn.functional.silu(gate) * up)
+
+
+class _LinearAct(torch.nn.Module):
+    def __init__(self, act, bias=True, d=16, inner=40):
+        super().__init__()
+        self.proj = torch.nn.Linear(d, inner, bias=bias)
+        self.act = act
+
+    def forward(self, x):
+        return act_reference(self.proj(x), self.act) * 2
+
+
+def _ff(kind):
+    torch.manual_seed(0)
+    return FeedForward(16, mult=3, activation_fn=kind).eval()
+
+
+MODULES = {  # name: (module factory, rule, fires)
+    "ff_gelu_tanh": (lambda: _ff("gelu-approximate"), "linear_act", 1),
+    "ff_gelu": (lambda: _ff("gelu"), None, 0),  # declined on the CPU: oneDNN's GELU is faster
+    "ff_geglu": (lambda: _ff("geglu"), "linear_glu", 1),
+    "swiglu_packed": (lambda: _SwiGLU(), "linear_glu", 1),
+    "silu_no_bias": (lambda: _LinearAct("silu", bias=False), "linear_act", 1),
+    "gelu_tanh": (lambda: _LinearAct("gelu_tanh"), "linear_act", 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_fused_vs_unfused_vs_eager(name):
+    make, rule, fires = MODULES[name]
+    torch.manual_seed(1)
+    mod = make()
+    x = torch.randn(2, 11, 16)
+    with torch.no_grad():
+        ref = mod(x)
+        torch._dynamo.reset()
+        fxbackend.reset_stats()
+        fused = torch.compile(mod, backend="fxbackend")(x)
+        assert fxbackend.stats()["fusions_by_rule"] == ({rule: fires} if fires else {})
+        torch._dynamo.reset()
+        unfused = torch.compile(mod, backend="fxbackend", options={"fusion": False})(x)
+    torch.testing.assert_close(fused, unfused, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(fused, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_clone_and_views_join_the_step():
+    text = fxbackend.explain(_ff("gelu-approximate"), torch.randn(1, 9, 16))
+    assert "aten.gelu" not in text and "aten.clone" not in text, text
+    text = fxbackend.explain(_ff("geglu"), torch.randn(1, 9, 16))
+    for op in ("aten.gelu", "aten.split", "getitem", "aten.mul.Tensor", "aten.clone"):
+        assert op not in text, text
+
+
+def test_activation_read_twice_is_not_fused():
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.proj(x)
+            return torch.nn.functional.silu(y), y  # the GEMM result is an output
+
+    fxbackend.reset_stats()
+    with torch.no_grad():
+        a, b = torch.compile(Two(), backend="fxbackend")(torch.randn(3, 8))
+    assert "linear_act" not in fxbackend.stats()["fusions_by_rule"]
+    torch.testing.assert_close(a, torch.nn.functional.silu(b))
+
+
+def test_rule_declines_with_the_kernels_reason():
+    class No(ReferenceLinearAct):
+        def why_not(self, *a):
+            return "no kernel for this"
+
+    r = LinearActFusion(No())
+    r.name, r.priority = "linear_act_test", 100
+    fxbackend.register_fusion("cpu", r)
+    try:
+        text = fxbackend.explain(_ff("gelu-approximate"), torch.randn(1, 9, 16))
+    finally:
+        fxbackend.unregister_fusion("cpu", r)
+    assert "declined linear_act_test" in text and "no kernel for this" in text, text
+
+
+# -- the four diffusers models ------------------------------------------------------------------
+
+# Expected fires per rule on the tiny configs (fxbackend/models.py):
+# - flux: gelu_tanh feed-forwards: the double block's ff and ff_context (2) and the single
+#   block's proj_mlp (1); silu after a linear: timestep_embedder.linear_1, guidance_embedder.
+#   linear_1 and text_embedder (PixArtAlphaTextProjection, act silu) linear_1 (3): 6 linear_act.
+# - sd3: layer 0 ff + ff_context, layer 1 (context_pre_only: no ff_context) ff: 3 gelu_tanh;
+#   timestep_embedder.linear_1 and text_embedder.linear_1 -> silu: 2; 5 linear_act.
+# - pixart: 2 blocks' ff + caption_projection (gelu_tanh): 3; timestep_embedder.linear_1 ->
+#   silu: 1.  (AdaLayerNormSingle's linear_2 -> silu is not fused: linear_2's output, the
+#   embedded timestep, is also read by the output layer's modulation.)  4 linear_act.
+# - unet: GEGLU in every transformer block: down (1 block x 1 layer), mid (1), up
+#   CrossAttnUpBlock2D (layers_per_block + 1 = 2): 4 linear_glu; time_embedding.linear_1 -> silu:
+#   1 linear_act.  (The resnets' silu(temb) comes before their linear, not after.)
+MODEL_FIRES = {"flux": {"linear_act": 6}, "sd3": {"linear_act": 5},
+               "pixart": {"linear_act": 4}, "unet": {"linear_act": 1, "linear_glu": 4}}
+
+
+@pytest.mark.parametrize("family", sorted(MODEL_FIRES))
+def test_models_fire_and_match_eager(family):
+    torch._dynamo.reset()
+    fxbackend.reset_stats()
+    model = models.build_model(family, "tiny")
+    inputs = models.make_inputs(family, "tiny")
+    ref = models.run_eager(model, inputs)
+    out = models.run_eager(torch.compile(model, backend="fxbackend"), inputs)
+    fires = {k: v for k, v in fxbackend.stats()["fusions_by_rule"].items()
+             if k in ("linear_act", "linear_glu")}
+    assert fires == MODEL_FIRES[family]
+    err = ((out - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-5, err
+
+
+# -- Triton: interpreter (no GPU) and real sizes ------------------------------------------------
+
+def _interp_cases():
+    cases = []
+    for act in ACTS:
+        for gated, gate in [(False, None), (True, 1), (True, 0)]:
+            for dtype in ("float32", "bfloat16"):
+                for m, k, n in [(3, 8, 5), (5, 16, 37)]:
+                    atol, rtol = TOL[getattr(torch, dtype)]
+                    cases.append({"id": f"{act}-{gated}{gate}-{dtype}-{m}x{k}x{n}", "m": m,
+                                  "k": k, "n": n, "act": act, "gated": gated, "gate": gate,
+                                  "bias": n % 2 == 1, "dtype": dtype, "atol": atol * 4,
+                                  "rtol": rtol})
+    return cases
+
+
+@pytest.fixture(scope="module")
+def interp_results():
+    return interp.run_checker("_activation_interp_check.py", _interp_cases())
+
+
+@pytest.mark.parametrize("case", _interp_cases(), ids=lambda c: c["id"])
+def test_triton_kernel_in_interpreter(interp_results, case):
+    interp.check_result(interp_results, case)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("act,gate", [("gelu_tanh", None), ("gelu", 1), ("silu", 0)])
+def test_cuda_real_size(act, gate, dtype):
+    from fxbackend.cuda_kernels.activation import LinearActCUDA
+    m, k, n = 4608, 3072, 12288 if gate is None else 5120
+    n2 = 2 * n if gate is not None else n
+    x, w, b = (t.cuda() for t in _operands(m, k, n2, dtype))
+    out = torch.empty(m, n, dtype=dtype, device="cuda")
+    y = torch.empty(m, n2, dtype=dtype, device="cuda") if gate is not None else out
+    LinearActCUDA().run(x, w, b, y, out, act=act, gate=gate, beta=1, alpha=1)
+    want = linear_act_reference(x, w, b, act, gate)
+    atol, rtol = TOL[dtype]
+    scale = want.float().abs().max().item()
+    torch.testing.assert_close(out, want, atol=atol * scale, rtol=rtol)

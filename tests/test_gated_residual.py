@@ -1,0 +1,350 @@
+"""The ``gated_residual`` fusion (patterns/gated_residual.py): ``addmm|mm -> view/clone ->
+[* s | / s] -> mul(gate) -> add(residual)`` as one step, with the numba epilogue
+(cpu_kernels/gated_residual.py) and the Triton epilogue (cuda_kernels/gated_residual.py).
+
+- the CPU kernel against ``gated_residual_reference``: dtypes, scale ops, odd shapes, strided
+  and broadcast gate/residual/out, in place; bit-exact (each step rounds as the chain does);
+- ``why_not`` and the launch layout on metadata alone;
+- the Triton kernel in Triton's interpreter (subprocess, tests/_gated_residual_interp_check.py),
+  bit-exact against the GPU meaning (division by the reciprocal);
+- whole graphs: fused vs unfused (``fusion: False``) vs eager, declines with their reasons;
+- the four diffusers test models: the rule fires once per gated residual of the architecture
+  and the output matches eager;
+- ``cuda``-marked checks at Flux's real size (skipped without a GPU).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxbackend
+import fxbackend.cpu_kernels.gated_residual as cpu_gr
+import fxbackend.cuda_kernels.gated_residual as cuda_gr
+from fxbackend import TensorMeta, models
+from fxbackend.patterns.gated_residual import (GatedResidualFusion, ReferenceGatedResidual,
+                                               epilogue_layout, gated_residual_reference)
+
+import _rope_interp_check as interp
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+SCALES = [(None, None), ("mul", 0.37), ("div", 3.0)]
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _operands(layout, b, s, c, dtype, seed=0):
+    """``(y, gate, residual, out)``: the gate a strided chunk of an adaLN output broadcast over
+    tokens, unless the layout says otherwise."""
+    g = _gen(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    y = randn(b, s, c)
+    gate = randn(b, 6 * c)[:, 2 * c:3 * c].unsqueeze(1)
+    res = randn(b, s, c)
+    out = torch.full((b, s, c), float("nan"), dtype=dtype)
+    if layout == "strided":  # a transposed residual and output
+        res = randn(b, c, s).transpose(1, 2)
+        out = torch.full((b, c, s), float("nan"), dtype=dtype).transpose(1, 2)
+    elif layout == "gate_per_token":  # [B, S, 1] broadcast over the features
+        gate = randn(b, s, 2)[..., :1]
+    elif layout == "residual_bcast":  # a [C] residual (a bias-like add)
+        res = randn(c)
+    return y, gate, res, out
+
+
+# -- the CPU kernel -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+@pytest.mark.parametrize("scale_op,scale", SCALES)
+@pytest.mark.parametrize("layout,shape", [("plain", (2, 7, 19)), ("plain", (1, 1, 1)),
+                                          ("strided", (2, 5, 33)), ("gate_per_token", (3, 4, 9)),
+                                          ("residual_bcast", (2, 3, 130)),
+                                          ("in_place", (2, 9, 17))])
+def test_cpu_kernel_is_the_reference(dtype, scale_op, scale, layout, shape):
+    y, gate, res, out = _operands(layout, *shape, dtype)
+    want = gated_residual_reference(y, gate, res, scale_op, scale)
+    if layout == "in_place":
+        out = y
+    assert cpu_gr.gated_residual_cpu(y, gate, res, out, scale_op=scale_op, scale=scale) is out
+    assert torch.equal(out, want)  # bit-exact: every rounding of the chain, in place
+
+
+def test_cpu_kernel_takes_2d_and_4d_outputs():
+    g = _gen(1)
+    y = torch.randn(11, 13, generator=g)
+    gate = torch.randn(13, generator=g)
+    res = torch.randn(11, 13, generator=g)
+    out = torch.empty(11, 13)
+    cpu_gr.gated_residual_cpu(y, gate, res, out, scale_op="mul", scale=0.5)
+    assert torch.equal(out, gated_residual_reference(y, gate, res, "mul", 0.5))
+    y4 = torch.randn(2, 3, 5, 7, generator=g)
+    gate4 = torch.randn(2, 1, 1, 7, generator=g)  # per sample: tokens (3, 5) merge into one dim
+    res4 = torch.randn(2, 3, 5, 7, generator=g)
+    out4 = torch.empty_like(y4)
+    cpu_gr.gated_residual_cpu(y4, gate4, res4, out4)
+    assert torch.equal(out4, gated_residual_reference(y4, gate4, res4))
+
+
+def test_cpu_kernel_rejects_what_it_does_not_take():
+    y = torch.randn(2, 3, 4)
+    with pytest.raises(ValueError, match="dtype"):
+        cpu_gr.gated_residual_cpu(y, torch.randn(2, 1, 4, dtype=F16), y, torch.empty_like(y))
+    with pytest.raises(ValueError, match="scale_op"):
+        cpu_gr.gated_residual_cpu(y, y, y, torch.empty_like(y), scale_op="pow", scale=2.0)
+
+
+def _meta(shape, stride=None, dtype=F32, device="cpu"):
+    t = torch.empty(shape, dtype=dtype, device="meta")
+    return TensorMeta(tuple(shape), tuple(stride or t.stride()), dtype, torch.device(device))
+
+
+def test_why_not_and_layout_on_metadata():
+    y = _meta((2, 8, 16))
+    gate = _meta((2, 1, 16), (96, 16, 1))
+    assert cpu_gr.why_not(y, gate, y, y) is None
+    lay = epilogue_layout((2, 8, 16), (2, 1, 16), (96, 16, 1), (2, 8, 16), (128, 16, 1),
+                          (128, 16, 1))
+    assert (lay.nb, lay.ns, lay.c, lay.g, lay.r, lay.o) == \
+        (2, 8, 16, (96, 0, 1), (128, 16, 1), (128, 16, 1))
+    assert "dtype" in cpu_gr.why_not(y, _meta((2, 1, 16), dtype=BF16), y, y)
+    assert "cuda" in cpu_gr.why_not(y, gate, y, _meta((2, 8, 16), device="cuda"))
+    # three leading dims that do not merge: the gate moves along dims 0 and 2, not 1
+    y4 = _meta((2, 3, 5, 7))
+    assert "leading dims" in cpu_gr.why_not(y4, _meta((2, 1, 5, 7)), y4, y4)
+    assert "not a tensor" in cpu_gr.why_not(y, None, y, y)
+    # the CUDA kernel declines CPU tensors, takes CUDA ones (metadata only: no GPU needed)
+    assert "cuda" in cuda_gr.why_not(y, gate, y, y).lower()
+    yc = _meta((2, 8, 16), device="cuda")
+    assert cuda_gr.why_not(yc, _meta((2, 1, 16), (96, 16, 1), device="cuda"), yc, yc) is None
+
+
+# -- the Triton kernel in the interpreter --------------------------------------------------------
+
+def _triton_cases() -> list:
+    cases = []
+    for dt in ("float32", "bfloat16", "float16"):
+        for op, sc in SCALES:
+            for lay in ("plain", "in_place", "strided", "gate_per_token"):
+                cases.append(dict(id=f"{lay}-{dt}-{op}", layout=lay, b=2, s=5, c=37, dtype=dt,
+                                  scale_op=op, scale=sc))
+    return cases
+
+
+TRITON_CASES = _triton_cases()
+
+
+@pytest.fixture(scope="module")
+def triton_results():
+    return interp.run_checker("_gated_residual_interp_check.py", TRITON_CASES)
+
+
+@pytest.mark.parametrize("case", TRITON_CASES, ids=[c["id"] for c in TRITON_CASES])
+def test_triton_kernel_in_interpreter(triton_results, case):
+    interp.check_result(triton_results, case)
+
+
+def test_gpu_meaning_of_div_differs_from_cpu_by_at_most_one_ulp():
+    y, gate, res, _ = _operands("plain", 4, 64, 64, F32, seed=5)
+    a = gated_residual_reference(y, gate, res, "div", 3.0)
+    b = gated_residual_reference(y, gate, res, "div", 3.0, div_reciprocal=True)
+    torch.testing.assert_close(a, b, rtol=2.0**-22, atol=1e-6)
+
+
+# -- whole graphs -------------------------------------------------------------------------------
+
+class _Block(torch.nn.Module):
+    """``res + gate * proj(x)`` as diffusers writes it; ``variant`` picks the spelling."""
+
+    def __init__(self, c_in=24, c=20, bias=True, variant="flux", dtype=F32):
+        super().__init__()
+        self.proj = torch.nn.Linear(c_in, c, bias=bias)
+        g = _gen(3)
+        with torch.no_grad():
+            self.proj.weight.copy_(torch.randn(c, c_in, generator=g) * c_in ** -0.5)
+            if bias:
+                self.proj.bias.copy_(torch.randn(c, generator=g) * 0.1)
+        self.to(dtype)
+        self.variant = variant
+
+    def forward(self, x, ada, res):
+        y = self.proj(x)
+        if self.variant == "flux":  # gate_msa.unsqueeze(1) * attn_output
+            gate = ada.chunk(6, dim=1)[2]
+            return res + gate.unsqueeze(1) * y
+        if self.variant == "clone":  # SD3/Flux attention: a clone after the projection
+            gate = ada.chunk(6, dim=1)[2]
+            return res + gate.unsqueeze(1) * y.clone()
+        if self.variant == "pixart":  # gate [B, 1, C] from a chunk; clone, / rescale factor
+            gate = ada.unflatten(1, (6, -1)).chunk(6, dim=1)[2]
+            return (gate * (y.clone() / 2.0)) + res
+        if self.variant == "mul_scale":
+            gate = ada.chunk(6, dim=1)[5]
+            return res + gate.unsqueeze(1) * (y * 0.125)
+        raise KeyError(self.variant)
+
+
+def _block_inputs(dtype=F32, b=2, s=7, c_in=24, c=20, seed=0):
+    g = _gen(seed)
+    return (torch.randn(b, s, c_in, generator=g).to(dtype),
+            torch.randn(b, 6 * c, generator=g).to(dtype),
+            torch.randn(b, s, c, generator=g).to(dtype))
+
+
+def _compiled(mod, args, options=None):
+    torch._dynamo.reset()
+    fxbackend.reset_stats()
+    with torch.no_grad():
+        out = torch.compile(mod, backend="fxbackend", options=options)(*args)
+    return out, dict(fxbackend.stats()["fusions_by_rule"])
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("variant,bias", [("flux", True), ("clone", True), ("pixart", True),
+                                          ("mul_scale", True), ("flux", False)])
+def test_block_fused_equals_unfused_and_eager(variant, bias, dtype):
+    mod = _Block(bias=bias, variant=variant, dtype=dtype)
+    args = _block_inputs(dtype)
+    fused, fires = _compiled(mod, args)
+    unfused, none = _compiled(mod, args, {"fusion": False})
+    with torch.no_grad():
+        eager = mod(*args)
+    assert fires == {"gated_residual": 1} and none == {}
+    assert torch.equal(fused, unfused)  # the same GEMM, then the chain's roundings
+    assert torch.equal(fused, eager)
+
+
+def test_rule_declines_a_linear_read_elsewhere():
+    class TwoUses(_Block):
+        def forward(self, x, ada, res):
+            y = self.proj(x)
+            return res + ada.chunk(6, dim=1)[2].unsqueeze(1) * y, y
+
+    mod = TwoUses()
+    args = _block_inputs()
+    (out, y), fires = _compiled(mod, args)
+    with torch.no_grad():
+        want, want_y = mod(*args)
+    assert fires == {} and torch.equal(out, want) and torch.equal(y, want_y)
+    text = fxbackend.explain(TwoUses(), *args)
+    assert "declined gated_residual" in text and "is a graph output" in text
+
+
+def test_rule_declines_mixed_dtypes_with_a_reason():
+    class Mixed(_Block):  # a float32 gate against a bf16 linear: the multiply promotes
+        def forward(self, x, ada, res):
+            return res + ada.float().chunk(6, dim=1)[2].unsqueeze(1) * self.proj(x)
+
+    mod = Mixed(dtype=BF16)
+    args = _block_inputs(BF16)
+    args = (args[0], args[1], args[2].float())
+    text = fxbackend.explain(mod, *args)
+    assert "declined gated_residual" in text and "dtypes differ" in text
+
+
+class _Impl(ReferenceGatedResidual):
+    def __init__(self, decline=None):
+        self.decline, self.calls = decline, 0
+
+    def why_not(self, *a):
+        return self.decline
+
+    def run(self, *a, **kw):
+        self.calls += 1
+        super().run(*a, **kw)
+
+
+@pytest.mark.parametrize("decline", [None, "no kernel for this"])
+def test_rule_with_the_torch_reference_impl(decline):
+    rule = GatedResidualFusion(_Impl(decline))
+    rule.name, rule.priority = "gated_residual_test", 100
+    fxbackend.register_fusion("cpu", rule)
+    try:
+        mod = _Block(variant="pixart")
+        args = _block_inputs()
+        out, fires = _compiled(mod, args)
+        text = fxbackend.explain(mod, *args) if decline else ""
+    finally:
+        fxbackend.unregister_fusion("cpu", rule)
+    with torch.no_grad():
+        assert torch.equal(out, mod(*args))
+    if decline:
+        assert "gated_residual_test" not in fires and "no kernel for this" in text
+        assert fires == {"gated_residual": 1}  # the shipped rule takes the chain instead
+    else:
+        assert fires == {"gated_residual_test": 1} and rule.impl.calls == 1
+
+
+def test_non_contiguous_output_goes_through_workspace():
+    # the residual add's output follows a channels-first residual's layout ([B, C, S]
+    # transposed): the GEMM result cannot be written into it, so it is staged in workspace
+    mod = _Block()
+    x, ada, res = _block_inputs()
+    res = res.transpose(1, 2).contiguous().transpose(1, 2)
+    out, fires = _compiled(mod, (x, ada, res))
+    with torch.no_grad():
+        assert torch.equal(out, mod(x, ada, res))
+    assert fires == {"gated_residual": 1}
+
+
+# -- the diffusers models -----------------------------------------------------------------------
+
+def _expected_fires(family: str, cfg) -> int:
+    if family == "flux":
+        # a double-stream block gates four residuals (image attention's to_out, text attention's
+        # to_add_out, image and text FF); a single-stream block one (proj_out over [attn, mlp])
+        return 4 * cfg.num_layers + cfg.num_single_layers
+    if family == "sd3":
+        # every JointTransformerBlock gates image attention and image FF, plus attn2 in a
+        # dual-attention layer; the text stream's attention and FF are gated except in the last
+        # block (context_pre_only)
+        n, dual = cfg.num_layers, len(cfg.dual_attention_layers)
+        return 2 * n + dual + 2 * (n - 1)
+    if family == "pixart":
+        # adaLN-single: gate_msa on self-attention (with clone and / rescale_output_factor) and
+        # gate_mlp on the FF; the cross-attention residual has no gate
+        return 2 * cfg.num_layers
+    return 0  # the UNet's transformer blocks are layer-norm blocks without gates
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3", "pixart", "unet"])
+def test_model_fires_once_per_gated_residual(family):
+    model = models.build_model(family, "tiny")
+    inputs = models.make_inputs(family, "tiny")
+    with torch.no_grad():
+        ref = models.run_eager(model, inputs)
+        torch._dynamo.reset()
+        fxbackend.reset_stats()
+        out = models.run_eager(torch.compile(model, backend="fxbackend"), inputs)
+    assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+    fires = fxbackend.stats()["fusions_by_rule"].get("gated_residual", 0)
+    assert fires == _expected_fires(family, model.config)
+
+
+# -- on a GPU -----------------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("scale_op,scale", SCALES)
+def test_triton_kernel_at_flux_size(dtype, scale_op, scale):
+    y, gate, res, out = (t.cuda() for t in _operands("plain", 1, 4608, 3072, dtype))
+    want = gated_residual_reference(y, gate, res, scale_op, scale, div_reciprocal=True)
+    cuda_gr.gated_residual_triton(y, gate, res, out, scale_op=scale_op, scale=scale)
+    assert torch.equal(out, want)
+    unfused = res + gate * (y if scale_op is None else y * scale if scale_op == "mul"
+                            else y / scale)
+    assert torch.equal(out, unfused)  # CUDA eager divides by the reciprocal as well
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", ["flux", "pixart"])
+def test_block_on_cuda_fused_equals_unfused(variant):
+    mod = _Block(c_in=3072, c=3072, variant=variant).cuda()
+    args = tuple(t.cuda() for t in _block_inputs(s=512, c_in=3072, c=3072))
+    fused, fires = _compiled(mod, args)
+    unfused, _ = _compiled(mod, args, {"fusion": False})
+    assert fires == {"gated_residual": 1} and torch.equal(fused, unfused)

@@ -1,0 +1,294 @@
+"""GroupNorm -> SiLU: the rule ``group_norm_silu`` (patterns/groupnorm.py), its numba kernel
+(cpu_kernels/groupnorm.py) and Triton kernel (cuda_kernels/groupnorm.py, in the interpreter on
+the CPU and, marked ``cuda``, on a GPU), whole graphs fused vs unfused vs eager, and the four
+test models' fire counts."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxbackend
+import fxbackend.cpu_kernels.groupnorm  # noqa: F401  (registers the "cpu" rule)
+import fxbackend.cuda_kernels.groupnorm  # noqa: F401  (registers the "cuda" rule)
+from fxbackend import TensorMeta, models
+from fxbackend.cpu_kernels.groupnorm import group_norm_silu_cpu, why_not
+from fxbackend.patterns.groupnorm import (GroupNormSiluFusion, ReferenceGroupNormSilu,
+                                          group_norm_silu_reference, memory_format_of)
+
+from _rope_interp_check import check_result, run_checker
+
+EPS = 1e-5
+# (x dtype, weight dtype, atol, rtol): float32 to ~1e-6 relative; 16-bit within one rounding
+DTYPES = [
+    (torch.float32, torch.float32, 2e-6, 1e-6),
+    (torch.bfloat16, torch.bfloat16, 1e-2, 2 ** -7),
+    (torch.bfloat16, torch.float32, 1e-2, 2 ** -7),
+    (torch.float16, torch.float16, 2e-3, 2 ** -10),
+]
+# (shape, groups): odd sizes, 3-D and 5-D, HxW = 1, one channel per group, one group
+SHAPES = [((2, 12, 5, 7), 4), ((1, 6, 37), 3), ((3, 10, 1, 1), 5), ((2, 64, 9, 9), 32),
+          ((1, 8, 3, 4, 5), 1)]
+
+
+def _inputs(shape, groups, xdt, wdt, layout, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=g) * 2 + 0.5).to(xdt)
+    if layout == "nhwc":
+        x = x.to(memory_format=torch.channels_last if x.dim() == 4 else
+                 torch.channels_last_3d if x.dim() == 5 else torch.contiguous_format)
+    c = shape[1]
+    w = (torch.randn(c, generator=g) * 0.2 + 1).to(wdt)
+    b = (torch.randn(c, generator=g) * 0.2).to(wdt)
+    return x, w, b
+
+
+# -- the numba kernel -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("xdt,wdt,atol,rtol", DTYPES)
+@pytest.mark.parametrize("shape,groups", SHAPES)
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("silu", [True, False])
+def test_cpu_kernel_matches_reference(xdt, wdt, atol, rtol, shape, groups, layout, silu):
+    x, w, b = _inputs(shape, groups, xdt, wdt, layout)
+    want = group_norm_silu_reference(x, w, b, groups, EPS, silu)
+    out = torch.full_like(want, float("nan"))
+    x_before = x.clone()
+    assert group_norm_silu_cpu(x, w, b, out, groups=groups, eps=EPS, silu=silu) is out
+    assert torch.equal(x, x_before)
+    assert out.stride() == want.stride()
+    if xdt != torch.float32:
+        torch.testing.assert_close(out, want, atol=atol, rtol=rtol)
+        return
+    # float32: ~1e-6 relative to the largest value, or at least as close to the float64 truth as
+    # torch is (torch's channels-last path has its own cancellation: 2e-5 off its contiguous
+    # path on 2-element groups)
+    truth = group_norm_silu_reference(x.double(), w.double(), b.double(), groups, EPS, silu)
+    scale = want.abs().max().item()
+    rel = ((out - want).abs().max() / scale).item()
+    ours = (out.double() - truth).abs().max().item() / scale
+    torch_err = (want.double() - truth).abs().max().item() / scale
+    assert rel <= 1e-6 or ours <= torch_err + 1e-6, (rel, ours, torch_err)
+
+
+def test_cpu_kernel_large_mean_and_extremes():
+    # |mean| >> spread (the shifted sums keep the variance), and SiLU's exp overflow/underflow
+    g = torch.Generator().manual_seed(1)
+    x = 1000 + 1e-2 * torch.randn(2, 8, 6, 6, generator=g)
+    w, b = torch.ones(8), torch.zeros(8)
+    want = group_norm_silu_reference(x, w, b, 2, EPS)
+    out = group_norm_silu_cpu(x, w, b, torch.empty_like(x), groups=2, eps=EPS)
+    # one float32 ulp of the mean (6e-5) moves the output by ~6e-3 here, in torch as in the
+    # kernel: compare both with the float64 truth
+    truth = group_norm_silu_reference(x.double(), w.double(), b.double(), 2, EPS)
+    ours = (out.double() - truth).abs().max().item()
+    theirs = (want.double() - truth).abs().max().item()
+    assert ours <= 1.5 * theirs, (ours, theirs)
+    y = torch.tensor([-200.0, -100.0, -88.5, -87.0, -20.0, -1e-3, 0.0, 1e-30, 3.0, 50.0, 120.0])
+    x = y.reshape(1, 1, -1)
+    w, b = torch.ones(1), torch.zeros(1)
+    want = group_norm_silu_reference(x, w, b, 1, EPS)
+    out = group_norm_silu_cpu(x, w, b, torch.empty_like(x), groups=1, eps=EPS)
+    torch.testing.assert_close(out, want, atol=1e-30, rtol=1e-6)
+
+
+@pytest.mark.parametrize("case,why", [
+    ("strided", "neither dense NCHW nor channels-last"),
+    ("out_layout", "differs from x's"),
+    ("float64", "x dtype torch.float64"),
+    ("groups", "does not divide"),
+    ("weight_dtype", "weight dtype torch.float16"),
+])
+def test_cpu_why_not(case, why):
+    x, w, b = _inputs((2, 8, 4, 6), 4, torch.float32, torch.float32, "nchw")
+    groups, out = 4, torch.empty_like(x)
+    if case == "strided":
+        x = x[..., ::2]
+        out = torch.empty_like(x)
+    elif case == "out_layout":
+        out = out.to(memory_format=torch.channels_last)
+    elif case == "float64":
+        x, out = x.double(), out.double()
+    elif case == "groups":
+        groups = 3
+    elif case == "weight_dtype":
+        w = w.half()
+    metas = [TensorMeta.of(t) for t in (x, w, b, out)]
+    assert why in why_not(*metas, groups, EPS)
+    with pytest.raises(ValueError, match="unsupported input"):
+        group_norm_silu_cpu(x, w, b, out, groups=groups, eps=EPS)
+
+
+def test_memory_format_of():
+    x = torch.empty(2, 8, 4, 6)
+    assert memory_format_of(x.shape, x.stride()) == "nchw"
+    cl = x.to(memory_format=torch.channels_last)
+    assert memory_format_of(cl.shape, cl.stride()) == "nhwc"
+    assert memory_format_of(x[:, :, ::2].shape, x[:, :, ::2].stride()) is None
+    one = torch.empty(1, 8, 1, 1).to(memory_format=torch.channels_last)
+    assert memory_format_of(one.shape, one.stride()) == "nchw"
+
+
+# -- the Triton kernel in the interpreter ---------------------------------------------------------
+
+_INTERP_CASES = [
+    {"id": f"{shape}-{g}-{layout}-{x}-{w}-{silu}", "shape": list(shape), "groups": g,
+     "layout": layout, "x": x, "w": w, "silu": silu, "atol": atol, "rtol": rtol}
+    for shape, g in [((2, 8, 5, 3), 4), ((1, 6, 37), 3), ((2, 12, 4, 7), 4)]
+    for layout in (["nchw", "nhwc"] if len(shape) == 4 else ["nchw"])
+    for x, w, atol, rtol in [("float32", "float32", 2e-6, 1e-6), ("bfloat16", "float32", 1e-2,
+                                                                  2 ** -7),
+                             ("float16", "float16", 2e-3, 2 ** -10)]
+    for silu in (True, False)
+]
+
+
+@pytest.fixture(scope="module")
+def interp_results():
+    return run_checker("_groupnorm_interp_check.py", _INTERP_CASES)
+
+
+@pytest.mark.parametrize("case", _INTERP_CASES, ids=[c["id"] for c in _INTERP_CASES])
+def test_triton_kernel_in_interpreter(interp_results, case):
+    check_result(interp_results, case)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(2, 320, 64, 64), (2, 640, 32, 32), (2, 1280, 16, 16)])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("xdt,wdt,atol,rtol", DTYPES)
+def test_triton_kernel_sd15_sizes(shape, layout, xdt, wdt, atol, rtol):
+    from fxbackend.cuda_kernels.groupnorm import group_norm_silu_triton
+    x, w, b = (t.cuda() for t in _inputs(shape, 32, xdt, wdt, layout))
+    want = group_norm_silu_reference(x, w, b, 32, EPS)
+    out = group_norm_silu_triton(x, w, b, torch.empty_like(want), groups=32, eps=EPS)
+    torch.testing.assert_close(out, want, atol=atol * 4, rtol=rtol)
+
+
+# -- the rule on whole graphs ---------------------------------------------------------------------
+
+class _Resnet(torch.nn.Module):
+    """ResnetBlock2D's norm -> silu [-> dropout] -> conv, then a GroupNorm alone -> conv."""
+
+    def __init__(self, c=16, groups=4, dropout=True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm1 = torch.nn.GroupNorm(groups, c, eps=1e-5)
+        self.norm2 = torch.nn.GroupNorm(groups, c, eps=1e-6)
+        self.norm3 = torch.nn.GroupNorm(groups, c, eps=1e-6)
+        for n in (self.norm1, self.norm2, self.norm3):
+            n.weight.data = torch.rand(c) + 0.5
+            n.bias.data = torch.randn(c) * 0.1
+        self.conv1 = torch.nn.Conv2d(c, c, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(c, c, 1)
+        self.drop = torch.nn.Dropout(0.1) if dropout else torch.nn.Identity()
+
+    def forward(self, x):
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = self.drop(F.silu(self.norm2(h)))
+        return self.conv2(self.norm3(h + x))
+
+
+@pytest.fixture
+def ref_rule():
+    """The rule with the torch implementation, above the numba one."""
+    r = GroupNormSiluFusion(ReferenceGroupNormSilu())
+    r.name, r.priority = "group_norm_silu_test", 100
+    fxbackend.register_fusion("cpu", r)
+    yield r
+    fxbackend.unregister_fusion("cpu", r)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("use_ref", [False, True])
+def test_fused_equals_unfused_and_eager(layout, use_ref, request):
+    if use_ref:
+        request.getfixturevalue("ref_rule")
+    name = "group_norm_silu_test" if use_ref else "group_norm_silu"
+    mod = _Resnet().eval()
+    x = torch.randn(2, 16, 9, 7)
+    if layout == "nhwc":
+        mod = mod.to(memory_format=torch.channels_last)
+        x = x.to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        ref = mod(x)
+        fused = torch.compile(mod, backend="fxbackend")(x)
+        s = fxbackend.stats()
+        torch._dynamo.reset()
+        unfused = torch.compile(mod, backend="fxbackend", options={"fusion": False})(x)
+    # two GN -> SiLU chains (the second with eval dropout's clone); norm3 alone is declined
+    assert s["fusions_by_rule"] == {name: 2}
+    torch.testing.assert_close(fused, unfused, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused, ref, atol=1e-5, rtol=1e-5)
+    if use_ref:
+        assert torch.equal(fused, unfused)  # the reference is exactly the unfused chain
+
+
+def test_chain_with_dropout_clone_is_one_step_and_groupnorm_alone_declines(ref_rule):
+    text = fxbackend.explain(_Resnet().eval(), torch.randn(1, 16, 4, 4))
+    fired = [ln for ln in text.splitlines() if ln.startswith("fused group_norm_silu_test")]
+    assert len(fired) == 2 and len(fired[1].split(",")) == 4, fired  # gn, getitem, silu, clone
+    assert "GroupNorm without SiLU" in text
+
+
+class _StatsRead(torch.nn.Module):
+    """native_group_norm whose mean is also returned: the claim would drop a read output."""
+
+    def forward(self, x, w, b):
+        y, mean, _ = torch.ops.aten.native_group_norm(x, w, b, 2, 8, 12, 4, EPS)
+        return F.silu(y), mean
+
+
+def test_mean_read_outside_is_not_claimed(ref_rule):
+    x, w, b = _inputs((2, 8, 3, 4), 4, torch.float32, torch.float32, "nchw")
+    with torch.no_grad():
+        out, mean = torch.compile(_StatsRead(), backend="fxbackend")(x, w, b)
+    want, want_mean = _StatsRead()(x, w, b)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(mean, want_mean)
+    assert "group_norm_silu_test" not in fxbackend.stats()["fusions_by_rule"]
+
+
+def test_declined_layout_is_reported(ref_rule):
+    class Strided(torch.nn.Module):
+        def forward(self, x, w, b):
+            return F.silu(F.group_norm(x[..., ::2], 4, w, b, EPS))
+
+    ref_rule.impl = type("Declining", (ReferenceGroupNormSilu,),
+                         {"why_not": lambda self, *a: why_not(*a)})()
+    x, w, b = _inputs((2, 8, 4, 6), 4, torch.float32, torch.float32, "nchw")
+    text = fxbackend.explain(Strided(), x, w, b)
+    # Dynamo/aot may copy the slice before the norm; either it fires, or it declines by layout
+    assert "fused group_norm_silu_test" in text or "neither dense NCHW" in text
+
+
+# -- the four test models -------------------------------------------------------------------------
+
+def _unet_chains(cfg) -> int:
+    """GroupNorm -> SiLU chains of a UNet2DConditionModel: two per ResnetBlock2D (norm1, norm2)
+    plus conv_norm_out -> conv_act.  Resnets: layers_per_block per down block, two in the
+    UNetMidBlock2DCrossAttn (one before, one after its single transformer), layers_per_block + 1
+    per up block."""
+    n_down = len(cfg["down_block_types"])
+    n_up = len(cfg["up_block_types"])
+    resnets = cfg["layers_per_block"] * n_down + 2 + (cfg["layers_per_block"] + 1) * n_up
+    return 2 * resnets + 1
+
+
+@pytest.mark.parametrize("family", ["unet", "flux", "sd3", "pixart"])
+def test_models_fire_count_and_match_eager(family):
+    model = models.build_model(family, "tiny")
+    inputs = models.make_inputs(family, "tiny")
+    with torch.no_grad():
+        ref = models.run_eager(model, inputs)
+        out = models.run_eager(torch.compile(model, backend="fxbackend"), inputs)
+    assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+    fired = fxbackend.stats()["fusions_by_rule"].get("group_norm_silu", 0)
+    # the transformer models have no GroupNorm (LayerNorm / RMSNorm only); the tiny UNet
+    # (1 layer per block, 2 down + 2 up blocks) has 8 resnets -> 16 chains, + conv_norm_out = 17;
+    # its 4 Transformer2DModel GroupNorms (no SiLU) are declined
+    want = _unet_chains(models.MODEL_CONFIGS[(family, "tiny")]["config"]) \
+        if family == "unet" else 0
+    assert fired == want
+    if family == "unet":
+        assert want == 17

@@ -1,0 +1,367 @@
+"""The ``modulation`` fusion family (patterns/modulation.py): norm without affine -> * (c + scale)
+-> + shift as one step.
+
+- the reference is the unfused chain;
+- the numba CPU kernel (cpu_kernels/modulation.py) against the reference: layouts, dtypes, norms,
+  with and without the ``c + scale`` add;
+- the Triton kernel (cuda_kernels/modulation.py) in Triton's interpreter (one subprocess,
+  tests/_modulation_interp_check.py) and, ``cuda``-marked, at Flux's size on a GPU;
+- the rule on diffusers' own adaLN modules, with the torch implementation of the kernel
+  interface (``ReferenceModulation``) and with the CPU kernel: fused vs unfused vs eager, what
+  joins the step, what declines;
+- the four diffusers test models: the rule fires once per adaLN chain.
+"""
+from __future__ import annotations
+
+import pathlib
+import sys
+import zlib
+
+import pytest
+import torch
+from diffusers.models.normalization import AdaLayerNormContinuous, AdaLayerNormZero, RMSNorm
+
+import fxbackend
+import fxbackend.cpu_kernels.modulation  # noqa: F401  (registers the "cpu" rule)
+import fxbackend.cuda_kernels.modulation  # noqa: F401  (registers the "cuda" rule)
+import fxbackend.cpu_kernels.scale_cast  # noqa: F401  (its model count is checked here too)
+from fxbackend import models
+from fxbackend.cpu_kernels.modulation import modulation_cpu
+from fxbackend.patterns.modulation import (ModulationFusion, ReferenceModulation,
+                                           modulation_reference)
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from _modulation_interp_check import LAYOUTS, build  # noqa: E402
+from _rope_interp_check import check_result, run_checker  # noqa: E402
+
+EPS = 1e-6
+# (dtype, atol, rtol, min_exact): float32 within float32 rounding of mean/rstd; 16-bit within one
+# rounding, almost every element bit-equal
+TOL = [("float32", 2e-6, 1e-5, 0.3), ("bfloat16", 1.6e-2, 1e-2, 0.99),
+       ("float16", 2e-3, 1e-3, 0.99)]
+
+
+def _rel(a, b) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+# -- the reference ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_is_the_unfused_chain(dtype):
+    g = torch.Generator().manual_seed(0)
+    x, s, h = build("bc_unsqueezed", 24, dtype, g, torch)
+    n = torch.nn.functional.layer_norm(x, (24,), eps=EPS)
+    assert torch.equal(modulation_reference(x, s, h, EPS), n * (1 + s) + h)
+    assert torch.equal(modulation_reference(x, s, h, EPS, add_c=None), n * s + h)
+    r = RMSNorm(24, eps=EPS, elementwise_affine=False)(x)
+    assert torch.equal(modulation_reference(x, s, h, EPS, "rms", 0.5), r * (0.5 + s) + h)
+
+
+# -- the CPU kernel ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,atol,rtol,min_exact", TOL)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("norm,add_c,d", [("layer", 1.0, 67), ("layer", None, 16),
+                                          ("rms", 1.0, 33), ("layer", 1.0, 1)])
+def test_cpu_kernel_matches_reference(layout, norm, add_c, d, dtype, atol, rtol, min_exact):
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(zlib.crc32(f"{layout}/{norm}/{d}/{dtype}".encode()))
+    x, s, h = build(layout, d, dt, g, torch)
+    x_before = x.clone()
+    out = torch.full(x.shape, float("nan"), dtype=dt)
+    assert modulation_cpu(x, s, h, out, norm=norm, eps=EPS, add_c=add_c) is out
+    want = modulation_reference(x, s, h, EPS, norm, add_c)
+    torch.testing.assert_close(out, want, atol=atol, rtol=rtol)
+    if d > 1:  # one feature: torch's fp16 LayerNorm gives n ~ 1e-5 (its mean is not x), ours 0
+        assert (out == want).float().mean().item() >= min_exact
+    assert torch.equal(x, x_before)
+
+
+def test_cpu_kernel_float32_error_at_flux_width():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 64, 3072, generator=g) * 3 + 1
+    s, h = torch.randn(1, 1, 3072, generator=g) * 0.3, torch.randn(1, 1, 3072, generator=g)
+    assert _rel(modulation_cpu(x, s, h), modulation_reference(x, s, h, EPS)) < 1e-6
+
+
+def test_cpu_kernel_rejects_what_it_does_not_handle():
+    x = torch.randn(2, 3, 8)
+    with pytest.raises(ValueError, match="dtypes"):
+        modulation_cpu(x, torch.randn(2, 1, 8, dtype=torch.float64), torch.randn(2, 1, 8))
+    with pytest.raises(ValueError, match="broadcast"):
+        modulation_cpu(x, torch.randn(3, 1, 8), torch.randn(2, 1, 8))
+    with pytest.raises(ValueError, match="norm"):
+        modulation_cpu(x, torch.randn(2, 1, 8), torch.randn(2, 1, 8), norm="group")
+
+
+# -- the Triton kernel ------------------------------------------------------------------------
+
+def _interp_cases():
+    cases = []
+    for layout in LAYOUTS:
+        for dtype, atol, rtol, min_exact in TOL:
+            for norm, add_c, d in (("layer", 1.0, 19), ("rms", None, 16)):
+                cases.append(dict(id=f"{layout}/{dtype}/{norm}/{add_c}/{d}", layout=layout,
+                                  d=d, dtype=dtype, norm=norm, add_c=add_c, atol=atol,
+                                  rtol=rtol, min_exact=min_exact))
+    return cases
+
+
+INTERP_CASES = _interp_cases()
+
+
+@pytest.fixture(scope="module")
+def interp_results():
+    return run_checker("_modulation_interp_check.py", INTERP_CASES)
+
+
+@pytest.mark.parametrize("case", INTERP_CASES, ids=[c["id"] for c in INTERP_CASES])
+def test_triton_kernel_in_the_interpreter(interp_results, case):
+    check_result(interp_results, case)
+
+
+def test_triton_why_not_declines_off_cuda_and_too_wide():
+    from fxbackend.cuda_kernels.modulation import MAX_D, why_not
+    m = fxbackend.TensorMeta.of
+    x = torch.empty(2, 3, 8)
+    s = torch.empty(2, 1, 8).expand(2, 3, 8)
+    assert "CUDA" in why_not(m(x), m(s), m(s), m(x), "layer")
+    wide = torch.empty(2, MAX_D + 1, device="meta")
+    meta = fxbackend.TensorMeta(tuple(wide.shape), tuple(wide.stride()), torch.float32,
+                                torch.device("cuda"))
+    assert "MAX_D" in why_not(meta, meta, meta, meta, "layer")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_kernel_at_flux_size(dtype):
+    from fxbackend.cuda_kernels.modulation import modulation_triton
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(1, 4096, 3072, generator=g) * 2).to(dtype).cuda()
+    s = (torch.randn(1, 1, 3072, generator=g) * 0.3).to(dtype).cuda()
+    h = torch.randn(1, 1, 3072, generator=g).to(dtype).cuda()
+    out = modulation_triton(x, s, h)
+    want = modulation_reference(x, s, h, EPS)
+    tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=1e-2)
+    torch.testing.assert_close(out, want, **tol)
+
+
+# -- the rule -----------------------------------------------------------------------------------
+
+class _Impl(ReferenceModulation):
+    def __init__(self, decline: str | None = None) -> None:
+        self.decline = decline
+        self.calls = []
+
+    def why_not(self, *a):
+        return self.decline
+
+    def run(self, x, scale, shift, out, **kw):
+        self.calls.append(kw)
+        super().run(x, scale, shift, out, **kw)
+
+
+@pytest.fixture
+def rule():
+    """The rule with the torch implementation, registered for "cpu" above the numba one."""
+    r = ModulationFusion(_Impl())
+    r.name = "modulation_test"
+    r.priority = 100
+    fxbackend.register_fusion("cpu", r)
+    yield r
+    fxbackend.unregister_fusion("cpu", r)
+
+
+class _Zero(torch.nn.Module):
+    """SD3/Flux ``AdaLayerNormZero``: ``norm(x) * (1 + scale[:, None]) + shift[:, None]``."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.norm = AdaLayerNormZero(d)
+        self.emb_dim = d
+
+    def forward(self, x, emb):
+        y, *_ = self.norm(x, emb=emb)
+        return y
+
+
+class _Continuous(torch.nn.Module):
+    """Flux/SD3 ``norm_out``: ``norm(x) * (1 + scale)[:, None, :] + shift[:, None, :]``."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.norm = AdaLayerNormContinuous(d, d, elementwise_affine=False, eps=EPS)
+        self.emb_dim = d
+
+    def forward(self, x, emb):
+        return self.norm(x, emb)
+
+
+class _Single(torch.nn.Module):
+    """PixArt's adaLN-single, written as diffusers' BasicTransformerBlock does."""
+
+    def __init__(self, d=16, rms=False):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(6, d) / d ** 0.5)
+        self.emb_dim = 6 * d
+        self.norm = RMSNorm(d, eps=EPS, elementwise_affine=False) if rms else \
+            torch.nn.LayerNorm(d, elementwise_affine=False, eps=EPS)
+
+    def forward(self, x, emb):
+        shift, scale, *_ = (self.table[None] + emb.reshape(x.shape[0], 6, -1)).chunk(6, dim=1)
+        return self.norm(x) * (1 + scale) + shift
+
+
+def _inputs(emb_dim=96, d=16, b=2, t=9, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, t, d, generator=g) * 2 + 0.5, torch.randn(b, emb_dim, generator=g)
+
+
+def _compiled(mod, *args, options=None):
+    with torch.no_grad():
+        torch._dynamo.reset()
+        return torch.compile(mod, backend="fxbackend", options=options)(*args)
+
+
+@pytest.mark.parametrize("make", [_Zero, _Continuous, _Single, lambda: _Single(rms=True)],
+                         ids=["ada_zero", "ada_continuous", "ada_single", "ada_single_rms"])
+def test_rule_fuses_diffusers_adaln(rule, make):
+    mod = make()
+    x, emb = _inputs(mod.emb_dim)
+    with torch.no_grad():
+        eager = mod(x, emb)
+    fused = _compiled(mod, x, emb)
+    assert fxbackend.stats()["fusions_by_rule"] == {"modulation_test": 1}
+    # the c + scale add is in the step (its only reader is the chain)
+    assert [c["add_c"] for c in rule.impl.calls] == [1.0]
+    unfused = _compiled(mod, x, emb, options={"fusion": False})
+    assert _rel(fused, eager) < 1e-6 and _rel(unfused, eager) < 1e-6
+
+
+@pytest.mark.parametrize("make", [_Zero, _Continuous, _Single],
+                         ids=["ada_zero", "ada_continuous", "ada_single"])
+def test_cpu_kernel_through_the_backend(make):
+    mod = make()
+    x, emb = _inputs(mod.emb_dim, t=11, seed=3)
+    with torch.no_grad():
+        eager = mod(x, emb)
+    fused = _compiled(mod, x, emb)
+    s = fxbackend.stats()
+    assert s["fusions_by_rule"] == {"modulation": 1}
+    unfused = _compiled(mod, x, emb, options={"fusion": False})
+    assert _rel(fused, eager) < 1e-6 and _rel(fused, unfused) < 1e-6
+
+
+def test_a_scale_read_elsewhere_stays_outside(rule):
+    class M(torch.nn.Module):
+        def forward(self, x, s, h):
+            s1 = 1 + s
+            return torch.nn.functional.layer_norm(x, (16,), eps=EPS) * s1 + h, s1 * 2
+
+    x, _ = _inputs()
+    s, h = torch.randn(2, 1, 16), torch.randn(2, 1, 16)
+    with torch.no_grad():
+        want = M()(x, s, h)
+    got = _compiled(M(), x, s, h)
+    assert fxbackend.stats()["fusions_by_rule"] == {"modulation_test": 1}
+    assert [c["add_c"] for c in rule.impl.calls] == [None]
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
+
+
+def test_norm_read_twice_or_statistics_read_are_not_fused(rule):
+    class TwoModulations(torch.nn.Module):  # SD3.5's AdaLayerNormZeroX
+        def forward(self, x, s, h):
+            n = torch.nn.functional.layer_norm(x, (16,), eps=EPS)
+            return n * (1 + s) + h, n * (1 + h) + s
+
+    class Stats(torch.nn.Module):  # the mean is read: the norm's other outputs are live
+        def forward(self, x, s, h):
+            n, mean, _ = torch.native_layer_norm(x, [16], None, None, EPS)
+            return n * (1 + s) + h + mean
+
+    x, _ = _inputs()
+    s, h = torch.randn(2, 1, 16), torch.randn(2, 1, 16)
+    for mod in (TwoModulations(), Stats()):
+        fxbackend.reset_stats()
+        with torch.no_grad():
+            want = mod(x, s, h)
+        got = _compiled(mod, x, s, h)
+        assert "modulation_test" not in fxbackend.stats()["fusions_by_rule"]
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_affine_layer_norm_is_not_a_chain(rule):
+    ln = torch.nn.LayerNorm(16)
+    mod = lambda x, s, h: ln(x) * (1 + s) + h  # noqa: E731
+    x, _ = _inputs()
+    _compiled(mod, x, torch.randn(2, 1, 16), torch.randn(2, 1, 16))
+    assert fxbackend.stats()["fusions_by_rule"] == {}
+
+
+def test_rule_reports_the_kernels_decline():
+    r = ModulationFusion(_Impl(decline="no kernel for this"))
+    r.name = "modulation_declining"
+    r.priority = 100
+    fxbackend.register_fusion("cpu", r)
+    try:
+        x, emb = _inputs(16)
+        with torch.no_grad():
+            text = fxbackend.explain(_Zero(), x, emb)
+    finally:
+        fxbackend.unregister_fusion("cpu", r)
+    assert "declined modulation_declining on" in text and "no kernel for this" in text
+    assert r.impl.calls == []
+
+
+def test_half_precision_chain_fuses_within_one_rounding():
+    mod = _Zero().to(torch.bfloat16)
+    x, emb = (t.to(torch.bfloat16) for t in _inputs(16, seed=4))
+    with torch.no_grad():
+        eager = mod(x, emb)
+    fused = _compiled(mod, x, emb)
+    assert fxbackend.stats()["fusions_by_rule"] == {"modulation": 1}
+    torch.testing.assert_close(fused, eager, atol=1.6e-2, rtol=1e-2)
+
+
+# -- the diffusers models ---------------------------------------------------------------------
+
+def _expected_chains(family: str, cfg) -> int:
+    """adaLN chains (a norm without affine read only by ``* (1 + scale) + shift``) per model."""
+    if family == "flux":
+        # double-stream block: norm1 (AdaLayerNormZero) and norm1_context, norm2 and
+        # norm2_context (feed-forward, modulated by the block): 4; single-stream block: its
+        # AdaLayerNormZeroSingle: 1; norm_out (AdaLayerNormContinuous): 1
+        return 4 * cfg.num_layers + cfg.num_single_layers + 1
+    if family == "sd3":
+        # per block: norm1 (x) and norm1_context, norm2 and norm2_context (3 to 4 chains):
+        # - a dual-attention block's norm1 (SD35AdaLayerNormZeroX) modulates one norm twice
+        #   (attn and attn2 inputs): no chain;
+        # - the last block is context_pre_only: norm1_context is AdaLayerNormContinuous (still a
+        #   chain) and it has no norm2_context;
+        # plus norm_out (AdaLayerNormContinuous)
+        n = 0
+        for i in range(cfg.num_layers):
+            last = i == cfg.num_layers - 1
+            n += (0 if i in cfg.dual_attention_layers else 1) + 1 + 1 + (0 if last else 1)
+        return n + 1
+    if family == "pixart":
+        # adaLN-single blocks: norm1 (attention) and norm2 (feed-forward); the cross-attention
+        # reads the hidden states unnormalised; plus the final norm_out
+        return 2 * cfg.num_layers + 1
+    return 0  # unet: its LayerNorms have weight and bias (BasicTransformerBlock), no adaLN
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3", "pixart", "unet"])
+def test_models_fire_once_per_adaln_chain(family):
+    model = models.build_model(family, "tiny")
+    inputs = models.make_inputs(family, "tiny")
+    with torch.no_grad():
+        ref = models.run_eager(model, inputs)
+        out = models.run_eager(torch.compile(model, backend="fxbackend"), inputs)
+    assert _rel(out, ref) <= 1e-5
+    want = _expected_chains(family, model.config)
+    assert fxbackend.stats()["fusions_by_rule"].get("modulation", 0) == want
+    assert {"flux": 6, "sd3": 7, "pixart": 5, "unet": 0}[family] == want  # the tiny configs
+    # scale_cast (patterns/scale_cast.py): float32 models cast nothing to fp16/bf16
+    assert fxbackend.stats()["fusions_by_rule"].get("scale_cast", 0) == 0

@@ -1,0 +1,90 @@
+"""The ``scale_cast`` fusion family (patterns/scale_cast.py): ``mul(x, c) -> cast to fp16/bf16``
+as one step: the numba kernel and the Triton kernel (interpreter) bit-exact against the
+reference, and the rule through the backend (fused vs eager, the copy form, declines).  The
+four diffusers test models (float32) have no such chain: tests/test_modulation.py checks the rule
+fires 0 times there while it compiles them."""
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+import torch
+
+import fxbackend
+import fxbackend.cpu_kernels.scale_cast  # noqa: F401  (registers the "cpu" rule)
+import fxbackend.cuda_kernels.scale_cast  # noqa: F401  (registers the "cuda" rule)
+from fxbackend.cpu_kernels.scale_cast import scale_cast_cpu
+from fxbackend.patterns.scale_cast import scale_cast_reference
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from _rope_interp_check import check_result, run_checker  # noqa: E402
+
+PAIRS = [("float32", "bfloat16"), ("float32", "float16"), ("bfloat16", "float16"),
+         ("float16", "bfloat16"), ("bfloat16", "bfloat16")]
+
+
+@pytest.mark.parametrize("x_dt,out_dt", PAIRS)
+@pytest.mark.parametrize("shape,transposed", [((3, 1000, 7), False), ((33, 65), True),
+                                              ((70001,), False)])
+def test_cpu_kernel_is_bit_exact(x_dt, out_dt, shape, transposed):
+    g = torch.Generator().manual_seed(len(shape))
+    x = (torch.randn(*shape, generator=g) * 3).to(getattr(torch, x_dt))
+    if transposed:
+        x = x.transpose(0, 1)
+    out = torch.empty_strided(x.shape, x.stride(), dtype=getattr(torch, out_dt))
+    scale_cast_cpu(x, 0.18215, out)
+    assert torch.equal(out, scale_cast_reference(x, 0.18215, out.dtype))
+
+
+def test_cpu_kernel_rejects_other_layouts():
+    x = torch.randn(8, 10)[:, :5]
+    with pytest.raises(ValueError, match="dense"):
+        scale_cast_cpu(x, 2.0, torch.empty(8, 5, dtype=torch.float16))
+
+
+INTERP = [dict(id=f"{a}->{b}/{t}", x=a, out=b, shape=[9, 37], transposed=t, c=0.3)
+          for a, b in PAIRS for t in (False, True)]
+
+
+@pytest.fixture(scope="module")
+def interp_results():
+    return run_checker("_scale_cast_interp_check.py", INTERP)
+
+
+@pytest.mark.parametrize("case", INTERP, ids=[c["id"] for c in INTERP])
+def test_triton_kernel_in_the_interpreter(interp_results, case):
+    check_result(interp_results, case)
+
+
+@pytest.mark.parametrize("out_dt", [torch.bfloat16, torch.float16])
+def test_rule_fuses_scale_then_cast(out_dt):
+    f = lambda x: (x * 0.18215).to(out_dt)  # noqa: E731
+    x = torch.randn(2, 4, 8, 8)
+    with torch.no_grad():
+        got = torch.compile(f, backend="fxbackend")(x)
+    assert fxbackend.stats()["fusions_by_rule"] == {"scale_cast": 1}
+    assert torch.equal(got, f(x))
+
+
+def test_rule_fuses_the_copy_form():
+    def f(x, dst):
+        dst.copy_(x * 0.5)
+        return dst
+
+    x, dst = torch.randn(4, 33), torch.zeros(4, 33, dtype=torch.bfloat16)
+    want = (x * 0.5).to(torch.bfloat16)
+    with torch.no_grad():
+        got = torch.compile(f, backend="fxbackend")(x, dst)
+    assert fxbackend.stats()["fusions_by_rule"] == {"scale_cast": 1}
+    assert torch.equal(got, want) and torch.equal(dst, want)
+
+
+def test_rule_declines_non_dense_layouts_with_a_reason():
+    f = lambda x: (x[:, ::2] * 3.0).to(torch.float16)  # noqa: E731
+    x = torch.randn(6, 10)
+    with torch.no_grad():
+        text = fxbackend.explain(f, x)
+        got = torch.compile(f, backend="fxbackend")(x)
+    assert "declined scale_cast" in text and "dense" in text
+    assert torch.equal(got, f(x))
