@@ -1,6 +1,8 @@
 """GroupNorm [-> SiLU] on the CPU in one pass: a numba kernel computing
 ``group_norm_silu_reference`` (``patterns/groupnorm.py``), registered at the end as the kernel of
-the ``group_norm_silu`` fusion rule for "cpu" (:class:`GroupNormSiluCPU`).
+the ``group_norm_silu`` fusion rule for "cpu" (:class:`GroupNormSiluCPU`) and, without the SiLU,
+as the kernel of the op ``sd.group_norm.v1`` (:class:`GroupNormCPU`; its output is contiguous, so
+it takes dense NCHW x only and declines channels-last x, which then runs the op's reference).
 
 Maths per (sample n, group g) over its m = (C/G) * HxW elements (``round`` = round to nearest
 even to x's dtype, the identity for float32; ``fma`` a fused multiply-add, one rounding)::
@@ -47,13 +49,15 @@ import numpy as np
 import torch
 
 import fxbackend
-from fxbackend.patterns.groupnorm import GroupNormSiluFusion, memory_format_of
+from fxbackend.patterns.groupnorm import (GROUP_NORM_OP, GroupNormSiluFusion,
+                                          group_norm_silu_reference, memory_format_of)
 
 from . import rmsnorm as _rms
 from .rope import _NP_OF, _compile_lock, _flat, _load, _set_threads, _store
 from .rmsnorm import _round_as
 
-__all__ = ["why_not", "group_norm_silu_cpu", "compile_kernels", "GroupNormSiluCPU"]
+__all__ = ["why_not", "group_norm_silu_cpu", "compile_kernels", "GroupNormSiluCPU",
+           "GroupNormCPU"]
 
 #: ``numba.prange`` once numba is imported (see ``cpu_kernels/rope.py``); ``range`` until then
 prange = range
@@ -372,4 +376,36 @@ class GroupNormSiluCPU:
         _launch(x, w, b, out, groups, eps, silu)
 
 
+class GroupNormCPU:
+    """The numba kernel (no SiLU) for the op ``sd.group_norm.v1``: what :func:`why_not` takes
+    with the node's contiguous output, i.e. dense NCHW x (channels-last x is declined: its
+    output would need the other layout).  Workspace: none."""
+
+    name = "group_norm_cpu"
+    op = GROUP_NORM_OP
+
+    def supports(self, node) -> bool:
+        try:
+            if len(node.srcs) != 3:
+                return False
+            x, w, b = (s.meta for s in node.srcs)
+            return why_not(x, w, b, node.meta, node.params.get("groups"),
+                           node.params.get("eps")) is None
+        except Exception:  # never raise from supports: decline instead
+            return False
+
+    def compile(self, node) -> None:
+        compile_kernels(*(s.meta.dtype for s in node.srcs))
+
+    def execute(self, ctx, node, state, inputs, out, workspace) -> None:
+        x, w, b = inputs
+        if memory_format_of(x.shape, x.stride()) != "nchw":
+            # strides other than planned (behind Dynamo's guards): never write the wrong layout
+            out.copy_(group_norm_silu_reference(x, w, b, node.params["groups"],
+                                                node.params["eps"], silu=False))
+            return
+        _launch(x, w, b, out, node.params["groups"], node.params["eps"], False)
+
+
 fxbackend.register_fusion("cpu", GroupNormSiluFusion(GroupNormSiluCPU()))
+fxbackend.register_kernel("cpu", GroupNormCPU)

@@ -1,6 +1,8 @@
 """GroupNorm [-> SiLU] on CUDA: one Triton kernel computing ``group_norm_silu_reference``
 (``patterns/groupnorm.py``), registered at the end as the kernel of the ``group_norm_silu``
-fusion rule for "cuda" (:class:`GroupNormSiluCUDA`).
+fusion rule for "cuda" (:class:`GroupNormSiluCUDA`) and, without the SiLU, as the kernel of the
+op ``sd.group_norm.v1`` (:class:`GroupNormCUDA`: dense NCHW x only, as the op's output is
+contiguous; channels-last x is declined and runs the op's reference).
 
 Maths per (sample n, group g) over its m = (C/G) * HxW elements (float32; ``round`` is the
 conversion to x's dtype, round-to-nearest-even, a no-op for float32)::
@@ -37,9 +39,11 @@ import torch
 import fxbackend
 from fxbackend import TensorMeta
 from fxbackend.cuda_kernels.rope import DTYPES, _jit_lock, _launch_on, lazy_kernel
-from fxbackend.patterns.groupnorm import GroupNormSiluFusion, memory_format_of
+from fxbackend.patterns.groupnorm import (GROUP_NORM_OP, GroupNormSiluFusion,
+                                          group_norm_silu_reference, memory_format_of)
 
-__all__ = ["why_not", "group_norm_silu_triton", "compile_kernels", "GroupNormSiluCUDA"]
+__all__ = ["why_not", "group_norm_silu_triton", "compile_kernels", "GroupNormSiluCUDA",
+           "GroupNormCUDA"]
 
 #: triton.language, bound by ``rope.lazy_kernel`` on first use
 tl: Any = None
@@ -171,12 +175,17 @@ def group_norm_silu_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     why = why_not(*metas, groups, eps)
     if why is not None:
         raise ValueError(f"group_norm_silu_triton: unsupported input: {why}")
+    _launch(x, weight, bias, out, groups, eps, silu)
+    return out
+
+
+def _launch(x, weight, bias, out, groups: int, eps: float, silu: bool) -> None:
+    """The launch alone (arguments already checked)."""
     if x.numel() == 0:
-        return out
+        return
     grid, ints, cl = _args(x.shape, x.stride(), groups)
     _launch_on(x.device, _kernel()[grid], (x, weight, bias, out, *ints, float(eps)),
                dict(SILU=bool(silu), CHANNELS_LAST=cl, BLOCK=BLOCK, num_warps=NUM_WARPS))
-    return out
 
 
 def compile_kernels(x, w, b, out, groups: int, silu: bool) -> None:
@@ -209,4 +218,36 @@ class GroupNormSiluCUDA:
         group_norm_silu_triton(x, w, b, out, groups=groups, eps=eps, silu=silu)
 
 
+class GroupNormCUDA:
+    """The Triton kernel (``SILU=False``) for the op ``sd.group_norm.v1``: what :func:`why_not`
+    takes with the node's contiguous output, i.e. dense NCHW x.  Workspace: none."""
+
+    name = "group_norm_triton"
+    op = GROUP_NORM_OP
+
+    def supports(self, node) -> bool:
+        try:
+            if len(node.srcs) != 3:
+                return False
+            x, w, b = (s.meta for s in node.srcs)
+            return why_not(x, w, b, node.meta, node.params.get("groups"),
+                           node.params.get("eps")) is None
+        except Exception:  # never raise from supports: decline instead
+            return False
+
+    def compile(self, node) -> None:
+        x, w, b = (s.meta for s in node.srcs)
+        compile_kernels(x, w, b, node.meta, node.params["groups"], False)
+
+    def execute(self, ctx, node, state, inputs, out, workspace) -> None:
+        x, w, b = inputs
+        groups, eps = node.params["groups"], node.params["eps"]
+        if memory_format_of(x.shape, x.stride()) != "nchw":
+            # strides other than planned (behind Dynamo's guards): never write the wrong layout
+            out.copy_(group_norm_silu_reference(x, w, b, groups, eps, silu=False))
+            return
+        _launch(x, w, b, out, groups, eps, False)
+
+
 fxbackend.register_fusion("cuda", GroupNormSiluFusion(GroupNormSiluCUDA()))
+fxbackend.register_kernel("cuda", GroupNormCUDA)

@@ -1,4 +1,5 @@
-"""GroupNorm -> SiLU [-> clone]: the fusion rule ``group_norm_silu`` and its torch reference.
+"""GroupNorm: the custom op ``sd.group_norm.v1`` with its idiom rewrite ``group_norm``, and the
+fusion rule ``group_norm_silu`` (GroupNorm -> SiLU [-> clone]), with their torch reference.
 
 The chain (UNet2DConditionModel's ResnetBlock2D ``norm1 -> silu -> conv1`` and ``norm2 -> silu
 -> dropout -> conv2``, the final ``conv_norm_out -> conv_act``; and GroupNorm alone before a
@@ -11,9 +12,26 @@ transformer block's ``proj_in``), as Dynamo/aot_autograd give it::
     %d = aten.clone.default(%c)                     optional: eval-mode dropout
 
 becomes one ``fused.group_norm_silu`` step that reads x once from memory and writes the result
-once.  GroupNorm alone (no SiLU: before ``proj_in``) is recognised but declined with a reason: the
-range would end in the getitem, which owns no storage, and the engine claims only ranges whose
-final node owns its storage (an idiom rewrite to a single-output group-norm op would lift this).
+once.
+
+GroupNorm alone (no SiLU: before a transformer's ``proj_in``) cannot be a fused range: it would
+end in the getitem, which owns no storage.  The rewrite rule ``group_norm``
+(:class:`GroupNormIdiom`) turns it into one single-output op instead::
+
+    native_group_norm(x, w, b) {group, eps} -> getitem 0     =>  sd.group_norm.v1(x, w, b)
+                                                                    {groups, eps}
+
+``sd.group_norm.v1(x, weight, bias) {groups, eps}`` means ``native_group_norm(...)[0]``: x's
+shape and dtype, contiguous (the custom-op contract).  Both weight and bias are required
+(sources are tensors only, and a lowered ``native_group_norm`` with two sources does not say
+which one is absent; diffusers' GroupNorms are affine).  The rule rewrites only where mean and
+rstd are unread, the native output is contiguous too (dense NCHW x: a channels-last x gives a
+channels-last output, which the op cannot express), and no single SiLU reads the result: that
+chain stays for ``group_norm_silu``, which fuses the native form (including channels-last, which
+is why the fusion rule keeps matching ``native_group_norm`` instead of the op).  The op's
+reference ``execute`` runs ``native_group_norm``; ``cpu_kernels/groupnorm.py`` and
+``cuda_kernels/groupnorm.py`` register the same kernels as for the fusion, without the SiLU.
+
 Meaning (:func:`group_norm_silu_reference`, each step with its own rounding)::
 
     y   = group_norm(x, weight, bias)   per (sample n, group g) over its C/G channels x HxW:
@@ -36,12 +54,15 @@ from __future__ import annotations
 
 import torch
 
+import fxbackend
 from fxbackend import TensorMeta
 
 __all__ = ["group_norm_silu_reference", "GroupNormSiluFusion", "ReferenceGroupNormSilu",
-           "memory_format_of"]
+           "memory_format_of", "GroupNorm", "GroupNormIdiom", "GROUP_NORM_OP"]
 
 GROUP_NORM = "aten.native_group_norm.default"
+GROUP_NORM_OP = "sd.group_norm.v1"
+_X_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def group_norm_silu_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
@@ -82,8 +103,9 @@ class GroupNormSiluFusion:
     """Fusion rule ``group_norm_silu``: ``native_group_norm -> getitem 0 [-> silu [-> clone]]``
     as one kernel step (see the module docstring).  ``impl`` is the device kernel.
 
-    GroupNorm alone (getitem not followed by SiLU) is recognised and declined: the range would end
-    in the getitem, which the engine cannot claim (see ``match``).
+    GroupNorm alone (getitem not followed by SiLU) that the rewrite ``group_norm`` left native is
+    recognised and declined: the range would end in the getitem, which the engine cannot claim
+    (see ``match``).
 
     ``match`` recognises the chain on dataflow alone (ops, sources, the getitem index, dtypes and
     shapes) and declines, with the kernel's reason, what its kernel does not take (a layout other
@@ -136,10 +158,11 @@ class GroupNormSiluFusion:
         gn = chain[0]
         if len(chain) == 2:
             # GroupNorm alone ends in the getitem, which aliases the group norm's storage: the
-            # engine only claims ranges whose final node owns its storage (a single-output
-            # group-norm op from an idiom rewrite would lift this; not done yet)
-            return (0, "GroupNorm without SiLU: the range would end in getitem, which does not "
-                       "own its storage (not claimable); it stays native")
+            # engine only claims ranges whose final node owns its storage.  The rewrite
+            # ``group_norm`` made sd.group_norm.v1 of every one it could; this one it left
+            return (0, "GroupNorm without SiLU, not rewritten to sd.group_norm.v1 (mean/rstd "
+                       "read, no affine weight and bias, or a non-contiguous output such as "
+                       "channels-last): it stays native")
         if len(gn.srcs) != 3:
             return (0, f"{self.impl.name}: group norm without both an affine weight and bias")
         x, w, b = (s.meta for s in gn.srcs)
@@ -183,3 +206,118 @@ class ReferenceGroupNormSilu:
 
     def run(self, x, w, b, out, *, groups, eps, silu):
         out.copy_(group_norm_silu_reference(x, w, b, groups, eps, silu))
+
+
+# -- GroupNorm alone: the op sd.group_norm.v1 and its rewrite -------------------------------------
+
+def _contiguous(shape: tuple) -> tuple:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(int(n), 1)
+    return tuple(reversed(strides))
+
+
+class GroupNorm:
+    """``sd.group_norm.v1(x, weight, bias) {groups, eps}``: ``native_group_norm(x, weight, bias,
+    N, C, HxW, groups, eps)[0]`` (see the module docstring).  x is ``[N, C, ...]`` (float32,
+    bf16, fp16 or float64, any strides); weight and bias are ``[C]`` of a floating dtype; the
+    output has x's shape and dtype and is contiguous."""
+
+    name = GROUP_NORM_OP
+    attrs = {"groups": int, "eps": float}
+
+    def infer_meta(self, srcs: list, attrs: dict) -> TensorMeta:
+        if len(srcs) != 3:
+            raise ValueError(f"{self.name}: takes (x, weight, bias), got {len(srcs)} sources")
+        x, w, b = srcs
+        if x.dtype not in _X_DTYPES:
+            raise ValueError(f"{self.name}: x dtype {x.dtype} (float32, bfloat16, float16 or "
+                             f"float64)")
+        if len(x.shape) < 2:
+            raise ValueError(f"{self.name}: x must be [N, C, ...], got shape {tuple(x.shape)}")
+        c, groups = int(x.shape[1]), attrs["groups"]
+        if groups < 1 or c % groups:
+            raise ValueError(f"{self.name}: groups={groups} does not divide C={c}")
+        for label, m in (("weight", w), ("bias", b)):
+            if not m.dtype.is_floating_point or tuple(m.shape) != (c,):
+                raise ValueError(f"{self.name}: {label} must be a floating [{c}] vector, got "
+                                 f"{m.dtype}{list(m.shape)}")
+        if not attrs["eps"] >= 0:
+            raise ValueError(f"{self.name}: eps must be >= 0, got {attrs['eps']}")
+        return TensorMeta(tuple(x.shape), _contiguous(tuple(x.shape)), x.dtype, x.device)
+
+    def execute(self, ctx, node, state, inputs, out, workspace) -> None:
+        """Reference execution (the op's native kernel on any device)."""
+        x, w, b = inputs
+        out.copy_(group_norm_silu_reference(x, w, b, node.params["groups"], node.params["eps"],
+                                            silu=False))
+
+
+class GroupNormIdiom:
+    """Rewrite rule ``group_norm``: GroupNorm alone as ``sd.group_norm.v1`` (module docstring)::
+
+        native_group_norm(x, w, b) -> getitem 0   (mean, rstd unread; no lone SiLU reader;
+                                                   contiguous output)  =>  sd.group_norm.v1
+
+    Only GroupNorm *not* followed by SiLU: that chain is ``group_norm_silu``'s, in its native
+    form, which also covers channels-last (the op's output is contiguous by contract).  Rewriting
+    every group norm would need the fusion rule to match both forms; this keeps one form each.
+    """
+
+    name = "group_norm"
+
+    def rewrite(self, graph) -> int:
+        count = 0
+        users = graph.users()
+        for gn in list(graph.nodes):
+            found = self._match(gn, users)
+            if found is None:
+                continue
+            get, attrs = found
+            try:
+                new = fxbackend.op_create(graph, GROUP_NORM_OP, list(gn.srcs), attrs, after=get)
+            except (ValueError, TypeError):
+                continue
+            m, want = new.meta, get.meta
+            if (m.dtype, tuple(m.shape), tuple(m.stride)) != \
+                    (want.dtype, tuple(want.shape), tuple(want.stride)):
+                graph.nodes.remove(new)  # e.g. channels-last: the native output is not contiguous
+                continue
+            fxbackend.replace_uses(graph, get, new)
+            users = graph.users()
+            count += 1
+        return count
+
+    @staticmethod
+    def _match(gn, users):
+        if gn.op != GROUP_NORM or len(gn.srcs) != 3 or gn.is_output:
+            return None
+        readers = users.get(gn, [])
+        if len(readers) != 1:
+            return None  # mean or rstd read (or the tuple read twice): leave it native
+        get = readers[0]
+        if get.op != "getitem" or get.srcs != [gn] or get.params.get("index") != 0 or \
+                not isinstance(get.meta, TensorMeta) or get.meta.is_symbolic:
+            return None
+        after = users.get(get, [])
+        if len(after) == 1 and after[0].op == "aten.silu.default" and not get.is_output:
+            return None  # GroupNorm -> SiLU: left to the fusion rule group_norm_silu
+        x = gn.srcs[0].meta
+        p = gn.params
+        groups, eps = p.get("group"), p.get("eps")
+        if not isinstance(x, TensorMeta) or len(x.shape) < 2 or \
+                not isinstance(groups, int) or isinstance(groups, bool) or \
+                not isinstance(eps, (int, float)) or isinstance(eps, bool):
+            return None
+        n, c = int(x.shape[0]), int(x.shape[1])
+        hw = 1
+        for s in x.shape[2:]:
+            hw *= int(s)
+        if (p.get("N"), p.get("C"), p.get("HxW")) != (n, c, hw):
+            return None  # sizes that are not x's own: not the plain group norm of x
+        return get, {"groups": groups, "eps": float(eps)}
+
+
+fxbackend.register_op(GroupNorm)
+fxbackend.register_rewrite(GroupNormIdiom)

@@ -1,7 +1,9 @@
 """GroupNorm -> SiLU: the rule ``group_norm_silu`` (patterns/groupnorm.py), its numba kernel
 (cpu_kernels/groupnorm.py) and Triton kernel (cuda_kernels/groupnorm.py, in the interpreter on
 the CPU and, marked ``cuda``, on a GPU), whole graphs fused vs unfused vs eager, and the four
-test models' fire counts."""
+test models' fire counts.  GroupNorm alone: the op ``sd.group_norm.v1``, its rewrite rule
+``group_norm`` (fires, declines), and the same kernels registered for the op, against the op's
+reference on hand-built graphs."""
 from __future__ import annotations
 
 import pytest
@@ -11,12 +13,14 @@ import torch.nn.functional as F
 import fxbackend
 import fxbackend.cpu_kernels.groupnorm  # noqa: F401  (registers the "cpu" rule)
 import fxbackend.cuda_kernels.groupnorm  # noqa: F401  (registers the "cuda" rule)
-from fxbackend import TensorMeta, models
-from fxbackend.cpu_kernels.groupnorm import group_norm_silu_cpu, why_not
-from fxbackend.patterns.groupnorm import (GroupNormSiluFusion, ReferenceGroupNormSilu,
-                                          group_norm_silu_reference, memory_format_of)
+from fxbackend import Graph, TensorMeta, models
+from fxbackend.cpu_kernels.groupnorm import GroupNormCPU, group_norm_silu_cpu, why_not
+from fxbackend.patterns.groupnorm import (GROUP_NORM_OP, GroupNormSiluFusion,
+                                          ReferenceGroupNormSilu, group_norm_silu_reference,
+                                          memory_format_of)
 
 from _rope_interp_check import check_result, run_checker
+from ext_util import compiled, set_outputs
 
 EPS = 1e-5
 # (x dtype, weight dtype, atol, rtol): float32 to ~1e-6 relative; 16-bit within one rounding
@@ -57,7 +61,11 @@ def test_cpu_kernel_matches_reference(xdt, wdt, atol, rtol, shape, groups, layou
     assert group_norm_silu_cpu(x, w, b, out, groups=groups, eps=EPS, silu=silu) is out
     assert torch.equal(x, x_before)
     assert out.stride() == want.stride()
-    if xdt != torch.float32:
+    _assert_matches(out, want, x, w, b, groups, silu, atol, rtol)
+
+
+def _assert_matches(out, want, x, w, b, groups, silu, atol, rtol):
+    if x.dtype != torch.float32:
         torch.testing.assert_close(out, want, atol=atol, rtol=rtol)
         return
     # float32: ~1e-6 relative to the largest value, or at least as close to the float64 truth as
@@ -140,6 +148,15 @@ _INTERP_CASES = [
                                                                   2 ** -7),
                              ("float16", "float16", 2e-3, 2 ** -10)]
     for silu in (True, False)
+] + [
+    # GroupNormCUDA, the kernel of sd.group_norm.v1 (contiguous output; channels-last declined)
+    {"id": f"op-{shape}-{g}-{layout}-{x}-{w}", "shape": list(shape), "groups": g,
+     "layout": layout, "x": x, "w": w, "silu": False, "atol": atol, "rtol": rtol, "op": True}
+    for shape, g in [((2, 8, 5, 3), 4), ((1, 6, 37), 3)]
+    for layout in (["nchw", "nhwc"] if len(shape) == 4 else ["nchw"])
+    for x, w, atol, rtol in [("float32", "float32", 2e-6, 1e-6), ("bfloat16", "float32", 1e-2,
+                                                                  2 ** -7),
+                             ("float16", "float16", 2e-3, 2 ** -10)]
 ]
 
 
@@ -216,19 +233,34 @@ def test_fused_equals_unfused_and_eager(layout, use_ref, request):
         s = fxbackend.stats()
         torch._dynamo.reset()
         unfused = torch.compile(mod, backend="fxbackend", options={"fusion": False})(x)
-    # two GN -> SiLU chains (the second with eval dropout's clone); norm3 alone is declined
+    # two GN -> SiLU chains (the second with eval dropout's clone); norm3 alone becomes
+    # sd.group_norm.v1 on the numba kernel where its output is contiguous (NCHW); channels-last
+    # it stays native (the op's output is contiguous)
     assert s["fusions_by_rule"] == {name: 2}
+    if layout == "nchw":
+        assert s["rewrites_by_rule"] == {"group_norm": 1}
+        assert s["steps_by_kernel"]["group_norm_cpu"] == 1
+    else:
+        assert s["rewrites_by_rule"] == {}
+        assert "group_norm_cpu" not in s["steps_by_kernel"]
     torch.testing.assert_close(fused, unfused, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fused, ref, atol=1e-5, rtol=1e-5)
     if use_ref:
         assert torch.equal(fused, unfused)  # the reference is exactly the unfused chain
 
 
-def test_chain_with_dropout_clone_is_one_step_and_groupnorm_alone_declines(ref_rule):
+def test_chain_with_dropout_clone_is_one_step_and_groupnorm_alone_is_the_op(ref_rule):
     text = fxbackend.explain(_Resnet().eval(), torch.randn(1, 16, 4, 4))
     fired = [ln for ln in text.splitlines() if ln.startswith("fused group_norm_silu_test")]
     assert len(fired) == 2 and len(fired[1].split(",")) == 4, fired  # gn, getitem, silu, clone
-    assert "GroupNorm without SiLU" in text
+    ops = [ln for ln in text.splitlines() if GROUP_NORM_OP in ln]
+    assert len(ops) == 1 and "{groups=4, eps=1e-06}" in ops[0] and "[group_norm_cpu]" in ops[0]
+    assert "GroupNorm without SiLU" not in text
+    # channels-last: the native output is channels-last, the op's contiguous: left, declined
+    cl = torch.channels_last
+    text = fxbackend.explain(_Resnet().eval().to(memory_format=cl),
+                             torch.randn(1, 16, 4, 4).to(memory_format=cl))
+    assert f"= {GROUP_NORM_OP}(" not in text and "GroupNorm without SiLU, not rewritten" in text
 
 
 class _StatsRead(torch.nn.Module):
@@ -262,6 +294,140 @@ def test_declined_layout_is_reported(ref_rule):
     assert "fused group_norm_silu_test" in text or "neither dense NCHW" in text
 
 
+# -- GroupNorm alone: the op sd.group_norm.v1 and the rewrite rule group_norm ---------------------
+
+def _input(g, t: torch.Tensor):
+    """An input node with ``t``'s exact metadata (strides included)."""
+    return g.append(g.new_node("input", meta=TensorMeta.of(t), is_input=True))
+
+
+def _run_op(x, w, b, groups):
+    """One ``sd.group_norm.v1`` node on inputs with exactly these layouts; (result, steps)."""
+    g = Graph()
+    set_outputs(g, fxbackend.op_create(g, GROUP_NORM_OP, [_input(g, t) for t in (x, w, b)],
+                                       {"groups": groups, "eps": EPS}))
+    fxbackend.reset_stats()
+    (out,) = compiled(g)(x, w, b)
+    return out, dict(fxbackend.stats()["steps_by_kernel"])
+
+
+@pytest.mark.parametrize("xdt,wdt,atol,rtol", DTYPES)
+@pytest.mark.parametrize("shape,groups", SHAPES)
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_op_kernel_matches_reference(xdt, wdt, atol, rtol, shape, groups, layout):
+    """The numba kernel as the kernel of sd.group_norm.v1 (dense NCHW x); channels-last x is
+    declined (the op's output is contiguous) and runs the op's reference, exactly."""
+    x, w, b = _inputs(shape, groups, xdt, wdt, layout)
+    want = group_norm_silu_reference(x, w, b, groups, EPS, silu=False).contiguous()
+    out, steps = _run_op(x, w, b, groups)
+    assert out.is_contiguous() and out.dtype == xdt
+    if memory_format_of(x.shape, x.stride()) == "nchw":  # also 1x1 spatial "channels-last"
+        assert steps == {"group_norm_cpu": 1}
+        _assert_matches(out, want, x, w, b, groups, False, atol, rtol)
+    else:
+        assert steps == {"native": 1}
+        assert torch.equal(out, want)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("xdt,wdt,atol,rtol", DTYPES)
+def test_op_triton_kernel_sd15_size(xdt, wdt, atol, rtol):
+    x, w, b = (t.cuda() for t in _inputs((2, 320, 64, 64), 32, xdt, wdt, "nchw"))
+    want = group_norm_silu_reference(x, w, b, 32, EPS, silu=False)
+    out, steps = _run_op(x, w, b, 32)
+    assert steps == {"group_norm_triton": 1}
+    torch.testing.assert_close(out, want, atol=atol * 4, rtol=rtol)
+
+
+def test_op_meta_and_errors():
+    g = Graph()
+    x, w, b = (_input(g, t) for t in _inputs((2, 8, 3, 4), 4, torch.bfloat16, torch.float32,
+                                               "nhwc"))
+    node = fxbackend.op_create(g, GROUP_NORM_OP, [x, w, b], {"groups": 4, "eps": 1e-5})
+    assert (node.meta.shape, node.meta.stride, node.meta.dtype) == \
+        ((2, 8, 3, 4), (96, 12, 4, 1), torch.bfloat16)
+    with pytest.raises(ValueError, match="does not divide C=8"):
+        fxbackend.op_create(g, GROUP_NORM_OP, [x, w, b], {"groups": 3, "eps": 1e-5})
+    with pytest.raises(ValueError, match=r"takes \(x, weight, bias\)"):
+        fxbackend.op_create(g, GROUP_NORM_OP, [x, w], {"groups": 4, "eps": 1e-5})
+    with pytest.raises(ValueError, match=r"weight must be a floating \[8\] vector"):
+        fxbackend.op_create(g, GROUP_NORM_OP, [x, x, b], {"groups": 4, "eps": 1e-5})
+
+
+def test_op_kernel_supports_never_raises():
+    k = GroupNormCPU()
+    g = Graph()
+    x, w, b = (_input(g, t) for t in _inputs((2, 8, 3, 4), 4, torch.float32, torch.float32,
+                                               "nchw"))
+    node = fxbackend.op_create(g, GROUP_NORM_OP, [x, w, b], {"groups": 4, "eps": 1e-5})
+    assert k.supports(node) is True
+    for broken in ({}, {"groups": 4, "eps": None}, {"groups": 3, "eps": 1e-5},
+                   {"groups": 4, "eps": float("nan")}):
+        node.params = broken
+        assert k.supports(node) is False
+    node.params = {"groups": 4, "eps": 1e-5}
+    for srcs in ([x, w], [object(), object(), object()], []):
+        node.srcs = srcs
+        assert k.supports(node) is False
+
+
+class _GroupNormAlone(torch.nn.Module):
+    """GroupNorm alone, then a conv (a transformer block's norm -> proj_in)."""
+
+    def __init__(self, c=16, groups=4, affine=True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = torch.nn.GroupNorm(groups, c, eps=1e-6, affine=affine)
+        if affine:
+            self.norm.weight.data = torch.rand(c) + 0.5
+            self.norm.bias.data = torch.randn(c) * 0.1
+        self.proj_in = torch.nn.Conv2d(c, c, 1)
+
+    def forward(self, x):
+        return self.proj_in(self.norm(x))
+
+
+def _compile_run(mod, *inputs):
+    fxbackend.reset_stats()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(mod, backend="fxbackend")(*inputs)
+        ref = mod(*inputs)
+    return out, ref, fxbackend.stats()
+
+
+def test_groupnorm_alone_is_rewritten_and_runs_the_kernel():
+    out, ref, s = _compile_run(_GroupNormAlone().eval(), torch.randn(2, 16, 9, 7))
+    assert s["rewrites_by_rule"] == {"group_norm": 1}
+    assert s["steps_by_kernel"]["group_norm_cpu"] == 1
+    assert s["fusions_by_rule"] == {}
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["mean_read", "silu_follows", "channels_last", "no_affine"])
+def test_rewrite_declines(case):
+    """Left native: mean/rstd read; a SiLU follows (the fusion rule's chain); a channels-last
+    output (the op's is contiguous); no affine weight and bias (the op needs both)."""
+    x, w, b = _inputs((2, 8, 3, 4), 4, torch.float32, torch.float32, "nchw")
+    if case == "mean_read":
+        def fn(x, w, b):
+            y, mean, _ = torch.ops.aten.native_group_norm(x, w, b, 2, 8, 12, 4, EPS)
+            return y * 2, mean
+        mod, inputs = fn, (x, w, b)
+    elif case == "silu_follows":
+        mod, inputs = (lambda x, w, b: F.silu(F.group_norm(x, 4, w, b, EPS))), (x, w, b)
+    elif case == "channels_last":
+        mod = _GroupNormAlone(c=8).eval().to(memory_format=torch.channels_last)
+        inputs = (x.to(memory_format=torch.channels_last),)
+    else:
+        mod, inputs = _GroupNormAlone(c=8, affine=False).eval(), (x,)
+    out, ref, s = _compile_run(mod, *inputs)
+    assert "group_norm" not in s["rewrites_by_rule"]
+    assert "group_norm_cpu" not in s["steps_by_kernel"]
+    assert s["fusions_by_rule"] == ({"group_norm_silu": 1} if case == "silu_follows" else {})
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 # -- the four test models -------------------------------------------------------------------------
 
 def _unet_chains(cfg) -> int:
@@ -275,6 +441,16 @@ def _unet_chains(cfg) -> int:
     return 2 * resnets + 1
 
 
+def _unet_transformers(cfg) -> int:
+    """Transformer2DModels (one GroupNorm alone each, before ``proj_in``) of a
+    UNet2DConditionModel: layers_per_block per CrossAttn down block, one in the
+    UNetMidBlock2DCrossAttn, layers_per_block + 1 per CrossAttn up block."""
+    down = sum(t.startswith("CrossAttn") for t in cfg["down_block_types"])
+    up = sum(t.startswith("CrossAttn") for t in cfg["up_block_types"])
+    mid = cfg.get("mid_block_type") == "UNetMidBlock2DCrossAttn"
+    return cfg["layers_per_block"] * down + int(mid) + (cfg["layers_per_block"] + 1) * up
+
+
 @pytest.mark.parametrize("family", ["unet", "flux", "sd3", "pixart"])
 def test_models_fire_count_and_match_eager(family):
     model = models.build_model(family, "tiny")
@@ -283,12 +459,17 @@ def test_models_fire_count_and_match_eager(family):
         ref = models.run_eager(model, inputs)
         out = models.run_eager(torch.compile(model, backend="fxbackend"), inputs)
     assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
-    fired = fxbackend.stats()["fusions_by_rule"].get("group_norm_silu", 0)
+    s = fxbackend.stats()
+    fired = s["fusions_by_rule"].get("group_norm_silu", 0)
     # the transformer models have no GroupNorm (LayerNorm / RMSNorm only); the tiny UNet
     # (1 layer per block, 2 down + 2 up blocks) has 8 resnets -> 16 chains, + conv_norm_out = 17;
-    # its 4 Transformer2DModel GroupNorms (no SiLU) are declined
-    want = _unet_chains(models.MODEL_CONFIGS[(family, "tiny")]["config"]) \
-        if family == "unet" else 0
+    # its 4 Transformer2DModel GroupNorms (no SiLU) become sd.group_norm.v1 on the numba kernel
+    cfg = models.MODEL_CONFIGS[(family, "tiny")]["config"]
+    want = _unet_chains(cfg) if family == "unet" else 0
+    alone = _unet_transformers(cfg) if family == "unet" else 0
     assert fired == want
+    assert s["rewrites_by_rule"].get("group_norm", 0) == alone
+    assert s["steps_by_kernel"].get("group_norm_cpu", 0) == alone * s["calls"]
+    assert s["steps_by_kernel"].get("group_norm_silu", 0) == want * s["calls"]
     if family == "unet":
-        assert want == 17
+        assert (want, alone) == (17, 4)
