@@ -38,7 +38,6 @@ kernels compile at plan time and are cached on disk (rope's cache dir).
 """
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
@@ -47,16 +46,15 @@ import torch
 import fxbackend
 from fxbackend.patterns.activation import ACTS, LinearActFusion, LinearGluFusion, gemm_into
 
+from . import _numba
 from . import rmsnorm as _rms
 from .rmsnorm import _round_as
 from .rope import _NP_OF, _compile_lock, _load, _set_threads, _store
 
 __all__ = ["why_not", "compile_kernels", "activate_cpu", "glu_cpu", "LinearActCPU"]
 
-#: ``numba.prange`` once numba is imported (see ``cpu_kernels/rope.py``); ``range`` until then
+#: ``numba.prange`` once numba is imported (see ``cpu_kernels/_numba.py``); ``range`` until then
 prange = range
-_jit_lock = threading.Lock()
-_kernels: dict = {}
 _ACT_ID = {a: k for k, a in enumerate(ACTS)}
 #: elements per parallel task of the in-place pass (64 KiB of float32: stays in L2)
 _CHUNK = 16384
@@ -68,7 +66,7 @@ _K_KAPPA = np.float32(0.044715)
 _K_ALPHA = np.float32(2.0 ** -0.5)
 
 
-# -- element functions (registered with numba by _jit; float32 in, float32 out) ---------------
+# -- element functions (registered with numba by _register; float32 in, float32 out) ---------------
 
 def _expf(x):
     """Cephes expf: |error| about 1 ulp; x clamped to [-87.3, 88.7] (exp underflows to the
@@ -187,27 +185,23 @@ _PY_KERNELS = {"gelu_tanh": (_inplace_gelu_tanh, _glu_gelu_tanh),
                "gelu": (_inplace_gelu, _glu_gelu), "silu": (_inplace_silu, _glu_silu)}
 
 
+def _register_helpers(numba) -> None:
+    from numba.extending import register_jitable
+    for fn in (_expf, _tanhf, _erff, _gelu_tanh, _gelu_erf, _silu):
+        register_jitable(inline="always")(fn)
+
+
+_register = _numba.once(globals(), _register_helpers, requires=(_rms._register,))
+# error_model="numpy": no ZeroDivisionError check on the divisions (which are never by zero
+# here), without which LLVM does not vectorise the loops (5-10x slower)
+_KERNELS = {act: _numba.once(globals(), lambda numba, fns=fns: tuple(
+                _numba.njit(f, error_model="numpy") for f in fns), requires=(_register,))
+            for act, fns in _PY_KERNELS.items()}
+
+
 def _jit(act: str):
     """(in-place kernel, gated kernel) for ``act`` (each compiles per dtype when first called)."""
-    k = _kernels.get(act)
-    if k is not None:
-        return k
-    global prange
-    _rms._register()  # numba imported; rope's/rmsnorm's helpers registered
-    with _jit_lock:
-        import numba
-        if not _kernels:
-            from numba.extending import register_jitable
-            prange = numba.prange
-            for fn in (_expf, _tanhf, _erff, _gelu_tanh, _gelu_erf, _silu):
-                register_jitable(inline="always")(fn)
-        if act not in _kernels:
-            # error_model="numpy": no ZeroDivisionError check on the divisions (which are never
-            # by zero here), without which LLVM does not vectorise the loops (5-10x slower)
-            jit = numba.njit(parallel=True, cache=True, fastmath=False, nogil=True,
-                             error_model="numpy")
-            _kernels[act] = tuple(jit(f) for f in _PY_KERNELS[act])
-    return _kernels[act]
+    return _KERNELS[act]()
 
 
 # -- launchers ----------------------------------------------------------------------------------

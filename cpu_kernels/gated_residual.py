@@ -36,47 +36,36 @@ here or a cleared cache.
 """
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
 import torch
 
 import fxbackend
-from fxbackend.patterns.gated_residual import DTYPES, EpilogueLayout, GatedResidualFusion, epilogue_layout
+from fxbackend.patterns.gated_residual import (DTYPES, EpilogueLayout, GatedResidualFusion,
+                                               epilogue_layout, epilogue_why_not)
 
+from . import _numba
 from . import rmsnorm as _rms
-from . import rope as _rope
 from .rmsnorm import _round_as
 from .rope import _NP_OF, _compile_lock, _flat, _load, _set_threads, _store
 
 __all__ = ["why_not", "compile_kernels", "gated_residual_cpu", "GatedResidualCPU"]
 
-#: ``numba.prange`` once numba is imported (see ``cpu_kernels/rope.py``); ``range`` until then
+#: ``numba.prange`` once numba is imported (see ``cpu_kernels/_numba.py``); ``range`` until then
 prange = range
-_jit_lock = threading.Lock()
-_kernel = None
 _OPS = {None: 0, "mul": 1, "div": 2}
 #: elements per parallel task at least (numba's per-task cost is ~1 us)
 _MIN_TASK_ELEMS = 16384
 
 
-def _jit():
-    """The jitted kernel (created once; it compiles per dtype when first called)."""
-    global _kernel, prange
-    if _kernel is None:
-        _rms._register()  # numba imported; rope's and rmsnorm's helpers registered
-        with _jit_lock:
-            if _kernel is None:
-                import numba
-                from numba.extending import overload
-                prange = numba.prange
-                for fn in (_row_unit, _row_strided):
-                    # inlined: LLVM sees the row slices' bounds and vectorises (as rope's rows)
-                    overload(fn, inline="always", strict=False)((lambda f: lambda *a: f)(fn))
-                _kernel = numba.njit(parallel=True, cache=True, fastmath=False,
-                                     nogil=True)(_gated_residual_kernel)
-    return _kernel
+def _build(numba):
+    _numba.inline(_row_unit, _row_strided)  # LLVM sees the row slices' bounds (as rope's rows)
+    return _numba.njit(_gated_residual_kernel)
+
+
+#: the jitted kernel (created once; it compiles per dtype when first called)
+_jit = _numba.once(globals(), _build, requires=(_rms._register,))
 
 
 def _row_unit(yr, gr, rr, orow, c, scale, op):
@@ -135,27 +124,8 @@ def why_not(y: Any, gate: Any, residual: Any, out: Any) -> str | None:
     (``fxbackend.TensorMeta``), else a short reason.  Never raises.  Handled: one dtype
     (float32/bf16/fp16) for all four, all on the CPU, y contiguous, gate and residual
     broadcastable to y's shape with any non-negative strides, out of y's shape with any
-    non-negative strides, at most two leading dims after merging."""
-    try:
-        metas = (("y", y), ("gate", gate), ("residual", residual), ("out", out))
-        for name, m in metas:
-            if not isinstance(m, fxbackend.TensorMeta):
-                return f"{name} is not a tensor"
-            if m.device.type != "cpu":
-                return f"{name} is on {m.device}"
-            if m.dtype != y.dtype:
-                return f"{name} has dtype {m.dtype}, y {y.dtype}"
-        if y.dtype not in _NP_OF:
-            return f"dtype {y.dtype} (float32, bfloat16 or float16)"
-        if tuple(out.shape) != tuple(y.shape):
-            return f"out shape {tuple(out.shape)} is not y's {tuple(y.shape)}"
-        epilogue_layout(tuple(y.shape), tuple(gate.shape), tuple(gate.stride), tuple(residual.shape),
-                tuple(residual.stride), tuple(out.stride))
-        return None
-    except ValueError as exc:
-        return str(exc)
-    except Exception as exc:  # never raise: decline with the reason
-        return f"metadata not understood ({type(exc).__name__}: {exc})"
+    non-negative strides, at most two leading dims after merging (``epilogue_why_not``)."""
+    return epilogue_why_not(y, gate, residual, out, "cpu")
 
 
 def _threads_rows(lay: EpilogueLayout, threads: int) -> int:

@@ -35,7 +35,6 @@ needs a change here or a cleared cache).
 from __future__ import annotations
 
 import math
-import threading
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -44,37 +43,27 @@ import torch
 import fxbackend
 from fxbackend.patterns.modulation import NORMS, ModulationFusion
 
+from . import _numba
 from . import rmsnorm as _rms
 from .rmsnorm import _round_as
-from .rope import _NP_OF, _compile_lock, _flat, _load, _set_threads, _store
+from .rope import _NP_OF, _compile_lock, _flat, _load, _set_threads, _store, _why_not_metas
 
 __all__ = ["ModulationCPU", "modulation_cpu", "why_not", "compile_kernels"]
 
-#: ``numba.prange`` once numba is imported (see ``cpu_kernels/rope.py``); ``range`` until then
+#: ``numba.prange`` once numba is imported (see ``cpu_kernels/_numba.py``); ``range`` until then
 prange = range
-_jit_lock = threading.Lock()
-_kernel = None
 
 
-def _jit():
-    """The jitted kernel (created once; it compiles per dtype when first called)."""
-    global _kernel, prange
-    if _kernel is None:
-        _rms._register()  # numba imported; rope's and rmsnorm's helpers registered
-        with _jit_lock:
-            if _kernel is None:
-                import numba
-                from numba.extending import overload, register_jitable
-                prange = numba.prange
-                for fn in (_row_offsets, _modulate):
-                    register_jitable(fn)
-                # compiled on their own with ``reassoc`` alone (see the module docstring)
-                for fn in (_sum, _sum_dev_sq):
-                    overload(fn, jit_options={"fastmath": {"reassoc"}}, strict=False)(
-                        (lambda f: lambda *args: f)(fn))
-                _kernel = numba.njit(parallel=True, cache=True, fastmath=False,
-                                     nogil=True)(_modulation_kernel)
-    return _kernel
+def _build(numba):
+    from numba.extending import register_jitable
+    for fn in (_row_offsets, _modulate):
+        register_jitable(fn)
+    _numba.reassoc(_sum, _sum_dev_sq)  # the sums alone (see the module docstring)
+    return _numba.njit(_modulation_kernel)
+
+
+#: the jitted kernel (created once; it compiles per dtype when first called)
+_jit = _numba.once(globals(), _build, requires=(_rms._register,))
 
 
 # -- jitted helpers -------------------------------------------------------------------------------
@@ -193,12 +182,9 @@ def why_not(x: Any, scale: Any, shift: Any, out: Any, norm: Any) -> str | None:
     and shift, a contiguous out of x's shape, at least one feature, norm ``layer``/``rms``."""
     try:
         metas = (x, scale, shift, out)
-        if not all(isinstance(m, fxbackend.TensorMeta) for m in metas):
-            return "inputs are not tensors"
-        if any(getattr(m.device, "type", None) != "cpu" for m in metas):
-            return "not on the CPU"
-        if any(m.is_symbolic for m in metas):
-            return "symbolic metadata"
+        why = _why_not_metas(metas)
+        if why is not None:
+            return why
         if x.dtype not in _NP_OF or any(m.dtype != x.dtype for m in metas):
             return "dtypes " + ", ".join(str(m.dtype) for m in metas) + \
                 " (one of float32, bfloat16, float16 for all)"

@@ -35,7 +35,6 @@ change to the rope/rmsnorm helpers this kernel inlines needs a change here or a 
 from __future__ import annotations
 
 import dataclasses
-import threading
 from typing import Any
 
 import numpy as np
@@ -45,6 +44,7 @@ import fxbackend
 from fxbackend.patterns.rmsnorm import rms_norm_out_dtype
 from fxbackend.patterns.rope import RmsRopeFusion
 
+from . import _numba
 from . import rmsnorm as _rms
 from . import rope as _rope
 from .rmsnorm import _inv_rms, _normed, _round_as
@@ -53,33 +53,24 @@ from .rope import (_NP_OF, _bcast_offsets, _compile_lock, _flat, _row_interleave
 
 __all__ = ["why_not", "compile_kernels", "rms_rope_cpu"]
 
-#: ``numba.prange`` once numba is imported (see ``cpu_kernels/rope.py``); ``range`` until then
+#: ``numba.prange`` once numba is imported (see ``cpu_kernels/_numba.py``); ``range`` until then
 prange = range
-_jit_lock = threading.Lock()
-_kernel = None
 
 
-def _jit():
-    """The jitted kernel (created once; it compiles per dtype combination when first called)."""
-    global _kernel, prange
-    if _kernel is None:
-        _rms._register()  # numba imported; rope's and rmsnorm's helpers registered
-        with _jit_lock:
-            if _kernel is None:
-                import numba
-                from numba import types
-                from numba.extending import overload
-                prange = numba.prange
+def _build(numba):
+    from numba import types
+    from numba.extending import overload
 
-                @overload(_store_tn)
-                def _store_tn_impl(o, w, e, v):
-                    if o.dtype == w.dtype or w.dtype == types.float32:  # one rounding
-                        return lambda o, w, e, v: _store(o, e, v)
-                    return lambda o, w, e, v: _store(o, e, _round_as(w, v))
+    @overload(_store_tn)
+    def _store_tn_impl(o, w, e, v):
+        if o.dtype == w.dtype or w.dtype == types.float32:  # one rounding
+            return lambda o, w, e, v: _store(o, e, v)
+        return lambda o, w, e, v: _store(o, e, _round_as(w, v))
+    return _numba.njit(_rms_rope_kernel)
 
-                _kernel = numba.njit(parallel=True, cache=True, fastmath=False,
-                                     nogil=True)(_rms_rope_kernel)
-    return _kernel
+
+#: the jitted kernel (created once; it compiles per dtype combination when first called)
+_jit = _numba.once(globals(), _build, requires=(_rms._register,))
 
 
 def _store_tn(o, w, e, v):

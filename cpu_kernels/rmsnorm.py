@@ -34,7 +34,6 @@ this kernel inlines (the conversions) needs a change here, or a cleared cache, t
 from __future__ import annotations
 
 import math
-import threading
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -43,67 +42,43 @@ import torch
 import fxbackend
 from fxbackend.patterns.rmsnorm import rms_norm_out_dtype
 
+from . import _numba
 from . import rope as _rope
 from .rope import (_NP_OF, _bcast_offsets, _compile_lock, _f16_to_f32, _f32_to_bf16,
-                   _f32_to_f16, _bf16_to_f32, _flat, _load, _set_threads, _store)
+                   _f32_to_f16, _bf16_to_f32, _flat, _load, _set_threads, _store,
+                   _why_not_metas)
 
 __all__ = ["RmsNormCPU", "rms_norm_cpu", "compile_kernels"]
 
-#: ``numba.prange`` once numba is imported (see ``cpu_kernels/rope.py``); ``range`` until then
+#: ``numba.prange`` once numba is imported (see ``cpu_kernels/_numba.py``); ``range`` until then
 prange = range
-_jit_lock = threading.Lock()
-_kernel = None
-_registered = False
 
 
-def _register() -> None:
-    """Register this file's jitted helpers (and rope's) with numba, once.  Also used by
-    ``cpu_kernels/rms_rope.py``, whose kernel calls ``_inv_rms``, ``_normed`` and
-    ``_round_as``."""
-    global _registered, prange
-    if _registered:
-        return
-    with _jit_lock:
-        if _registered:
-            return
-        _rope._jit()  # numba imported, rope's helpers (_load, _store, ...) registered
-        import numba
-        from numba import types
-        from numba.extending import overload, register_jitable
+def _register_helpers(numba) -> None:
+    from numba import types
+    from numba.extending import overload, register_jitable
 
-        prange = numba.prange
-        for fn in (_inv_rms, _normed):
-            register_jitable(fn)
-        # compiled as a function of its own (not inlined in numba's IR), so that ``reassoc``
-        # applies to the sum alone; everything else keeps strict IEEE semantics
-        overload(_sum_squares, jit_options={"fastmath": {"reassoc"}}, strict=False)(
-            lambda xr, d: _sum_squares)
+    for fn in (_inv_rms, _normed):
+        register_jitable(fn)
+    _numba.reassoc(_sum_squares)  # the sum alone (see the module docstring)
 
-        @overload(_round_as)
-        def _round_as_impl(a, v):
-            dt = a.dtype
-            if dt == types.float32:
-                return lambda a, v: v
-            if dt == types.int16:
-                return lambda a, v: _bf16_to_f32(_f32_to_bf16(v))
-            if dt == types.uint16:
-                return lambda a, v: _f16_to_f32(_f32_to_f16(v))
-            return None
-
-        _registered = True
+    @overload(_round_as)
+    def _round_as_impl(a, v):
+        dt = a.dtype
+        if dt == types.float32:
+            return lambda a, v: v
+        if dt == types.int16:
+            return lambda a, v: _bf16_to_f32(_f32_to_bf16(v))
+        if dt == types.uint16:
+            return lambda a, v: _f16_to_f32(_f32_to_f16(v))
+        return None
 
 
-def _jit():
-    """The jitted kernel (created once; it compiles per dtype combination when first called)."""
-    global _kernel
-    if _kernel is None:
-        _register()
-        with _jit_lock:
-            if _kernel is None:
-                import numba
-                _kernel = numba.njit(parallel=True, cache=True, fastmath=False,
-                                     nogil=True)(_rms_norm_kernel)
-    return _kernel
+#: registers this file's jitted helpers (and rope's) with numba, once.  Required by the other
+#: kernel modules, whose kernels call ``_round_as`` (and rms_rope's ``_inv_rms``, ``_normed``)
+_register = _numba.once(globals(), _register_helpers, requires=(_rope._register,))
+#: the jitted kernel (it compiles per dtype combination when first called)
+_jit = _numba.once(globals(), lambda numba: _numba.njit(_rms_norm_kernel), requires=(_register,))
 
 
 # -- jitted helpers (float32 maths) ---------------------------------------------------------------
@@ -188,13 +163,9 @@ def _why_not_eps(eps: Any) -> str | None:
 
 def _why_not_tensors(x: Any, w: Any) -> str | None:
     """The checks of x and the weight (None: no weight) on metadata alone."""
-    metas = (x,) if w is None else (x, w)
-    if not all(isinstance(m, fxbackend.TensorMeta) for m in metas):
-        return "inputs are not tensors"
-    if any(getattr(m.device, "type", None) != "cpu" for m in metas):
-        return "not on the CPU"
-    if any(m.is_symbolic for m in metas):
-        return "symbolic metadata"
+    why = _why_not_metas((x,) if w is None else (x, w))
+    if why is not None:
+        return why
     if x.dtype not in _NP_OF:
         return f"x dtype {x.dtype} (float32, bfloat16 or float16)"
     if not x.shape:

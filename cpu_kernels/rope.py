@@ -37,16 +37,15 @@ memory and needs no workspace (converting in torch would cost a full extra read 
 
 Compilation.  numba is imported and the kernel is compiled lazily, for the dtypes a plan
 needs, in the ``compile(node)`` capability (plan time, never the first call), and cached on
-disk.  Unless the user set ``NUMBA_CACHE_DIR``, it defaults (before numba is imported) to
+disk, with the set-up every CPU kernel module shares (``cpu_kernels/_numba.py``).  Unless the
+user set ``NUMBA_CACHE_DIR``, it defaults (before numba is imported) to
 ``$XDG_CACHE_HOME/fxbackend/numba`` or ``~/.cache/fxbackend/numba`` (not site-packages, which
 may be read-only), falling back to a per-user temporary folder when that cannot be created.
 Threads: numba runs with ``min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)``.
 """
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 import threading
 from typing import Any, NamedTuple
 
@@ -54,6 +53,9 @@ import numpy as np
 import torch
 
 import fxbackend
+
+from . import _numba
+from ._numba import numba_cache_dir
 
 __all__ = ["RopeApplyCPU", "rope_apply_cpu", "numba_cache_dir", "compile_kernels"]
 
@@ -63,95 +65,59 @@ _NP_OF = {torch.float32: np.float32, torch.bfloat16: np.int16, torch.float16: np
 _BITS_OF = {torch.bfloat16: torch.int16, torch.float16: torch.uint16}
 
 
-# -- numba: cache dir, lazy import, lazy jit ------------------------------------------------------
+# -- numba: lazy import and jit (cpu_kernels/_numba.py) --------------------------------------------
 
-def numba_cache_dir() -> str:
-    """Where numba caches compiled kernels: ``$NUMBA_CACHE_DIR`` when set, else
-    ``$XDG_CACHE_HOME/fxbackend/numba`` (default ``~/.cache/fxbackend/numba``)."""
-    if os.environ.get("NUMBA_CACHE_DIR"):
-        return os.environ["NUMBA_CACHE_DIR"]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "fxbackend", "numba")
-
-
-def _numba():
-    """Import numba with a writable cache dir (set before the import, see the docstring)."""
-    if not os.environ.get("NUMBA_CACHE_DIR"):
-        path = numba_cache_dir()
-        try:
-            os.makedirs(path, exist_ok=True)
-        except OSError:
-            path = os.path.join(tempfile.gettempdir(), f"fxbackend-numba-{os.getuid()}")
-            os.makedirs(path, exist_ok=True)
-        os.environ["NUMBA_CACHE_DIR"] = path
-        if "numba" in sys.modules:  # imported by someone else before: its config is already read
-            sys.modules["numba"].config.CACHE_DIR = path
-    import numba
-    return numba
-
-
-#: ``numba.prange`` once numba is imported (numba recognises it by identity; ``_jit`` swaps it in
-#: before the first compile); plain ``range`` until then
+#: ``numba.prange`` once numba is imported (numba recognises it by identity; ``_numba.once``
+#: swaps it in before the first compile); plain ``range`` until then
 prange = range
-_jit_lock = threading.Lock()
 _compile_lock = threading.Lock()
-_kernel = None
 
 
-def _jit():
-    """The jitted kernel (numba imported and the helpers registered once).
+def _register_helpers(numba) -> None:
+    """Register the helpers the kernels below call (and those of the other kernel modules:
+    ``_load``, ``_store``, the conversions, the task loop).  The kernel bodies are plain
+    module-level Python (so that importing this module stays cheap and numba can cache them
+    by file)."""
+    from numba import types
+    from numba.extending import overload, register_jitable
 
-    The kernel bodies below are plain module-level Python (so that importing this module stays
-    cheap and numba can cache them by file); the helpers they call are registered with numba
-    here, before the first compile."""
-    global _kernel, prange
-    if _kernel is not None:
-        return _kernel
-    with _jit_lock:
-        if _kernel is None:
-            numba = _numba()
-            from numba import types
-            from numba.extending import overload, register_jitable
+    for fn in (_var_offsets, _bcast_offsets, _tasks, _task, _bf16_to_f32, _f32_to_bf16,
+               _f16_to_f32, _f32_to_f16):
+        register_jitable(fn)
+    _numba.inline(_row_views, _row_interleaved, _row_split_half)
 
-            prange = numba.prange
-            for fn in (_var_offsets, _bcast_offsets, _tasks, _task, _bf16_to_f32, _f32_to_bf16,
-                       _f16_to_f32, _f32_to_f16):
-                register_jitable(fn)
-            for fn in (_row_views, _row_interleaved, _row_split_half):
-                # inlined into the kernel in numba's IR: LLVM then sees the row slices' bounds
-                # and vectorizes the pair loop (1.3-1.6x faster than a call per row)
-                overload(fn, inline="always", strict=False)((lambda f: lambda *args: f)(fn))
+    @overload(_load)
+    def _load_impl(a, i):
+        dt = a.dtype
+        if dt == types.float32:
+            return lambda a, i: a[i]
+        if dt == types.int16:
+            return lambda a, i: _bf16_to_f32(a[i])
+        if dt == types.uint16:
+            return lambda a, i: _f16_to_f32(a[i])
+        return None
 
-            @overload(_load)
-            def _load_impl(a, i):
-                dt = a.dtype
-                if dt == types.float32:
-                    return lambda a, i: a[i]
-                if dt == types.int16:
-                    return lambda a, i: _bf16_to_f32(a[i])
-                if dt == types.uint16:
-                    return lambda a, i: _f16_to_f32(a[i])
-                return None
+    @overload(_store)
+    def _store_impl(a, i, v):
+        dt = a.dtype
+        if dt == types.float32:
+            def st(a, i, v):
+                a[i] = v
+        elif dt == types.int16:
+            def st(a, i, v):
+                a[i] = _f32_to_bf16(v)
+        elif dt == types.uint16:
+            def st(a, i, v):
+                a[i] = _f32_to_f16(v)
+        else:
+            return None
+        return st
 
-            @overload(_store)
-            def _store_impl(a, i, v):
-                dt = a.dtype
-                if dt == types.float32:
-                    def st(a, i, v):
-                        a[i] = v
-                elif dt == types.int16:
-                    def st(a, i, v):
-                        a[i] = _f32_to_bf16(v)
-                elif dt == types.uint16:
-                    def st(a, i, v):
-                        a[i] = _f32_to_f16(v)
-                else:
-                    return None
-                return st
 
-            _kernel = numba.njit(parallel=True, cache=True, fastmath=False,
-                                 nogil=True)(_rope_kernel)
-    return _kernel
+#: numba imported and the helpers registered, once (``_register()``; other modules require it)
+_register = _numba.once(globals(), _register_helpers)
+#: the jitted kernel (``_jit()``; it compiles per dtype combination when first called)
+_jit = _numba.once(globals(), lambda numba: _numba.njit(_rope_kernel), requires=(_register,))
 
 
 def _set_threads() -> int:
@@ -420,6 +386,18 @@ def _launch(mode: str, n_rot: int, lay: _Layout, x, cos, sin, out) -> None:
     fn(_flat(x, lay.spans[0]), _flat(cos, lay.spans[1]), _flat(sin, lay.spans[2]),
        _flat(out, out.numel()), lay.vt, lay.bt, x.shape[-1], n_rot, lay.tile, bchunk,
        mode == "interleaved")
+
+
+def _why_not_metas(metas: tuple) -> str | None:
+    """The checks every CPU kernel's ``why_not`` starts with: ``fxbackend.TensorMeta``s on the
+    CPU with concrete metadata (used by rmsnorm's and modulation's)."""
+    if not all(isinstance(m, fxbackend.TensorMeta) for m in metas):
+        return "inputs are not tensors"
+    if any(getattr(m.device, "type", None) != "cpu" for m in metas):
+        return "not on the CPU"
+    if any(m.is_symbolic for m in metas):
+        return "symbolic metadata"
+    return None
 
 
 def _why_not(x_meta: Any, cos_meta: Any, sin_meta: Any, mode: Any, n_rot: Any) -> str | None:

@@ -14,38 +14,25 @@ time, cached on disk in rope's cache dir.
 """
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import torch
 
 import fxbackend
 from fxbackend.patterns.scale_cast import ScaleCastFusion, is_dense
 
+from . import _numba
 from . import rmsnorm as _rms
 from .rmsnorm import _round_as
 from .rope import _NP_OF, _compile_lock, _flat, _load, _set_threads, _store
 
 __all__ = ["ScaleCastCPU", "scale_cast_cpu", "why_not", "compile_kernels"]
 
-#: ``numba.prange`` once numba is imported (see ``cpu_kernels/rope.py``); ``range`` until then
+#: ``numba.prange`` once numba is imported (see ``cpu_kernels/_numba.py``); ``range`` until then
 prange = range
-_jit_lock = threading.Lock()
-_kernel = None
 _CHUNK = 16384  # elements per task: 64 KB of float32 input
-
-
-def _jit():
-    global _kernel, prange
-    if _kernel is None:
-        _rms._register()  # numba imported; _load/_store/_round_as registered
-        with _jit_lock:
-            if _kernel is None:
-                import numba
-                prange = numba.prange
-                _kernel = numba.njit(parallel=True, cache=True, fastmath=False,
-                                     nogil=True)(_scale_cast_kernel)
-    return _kernel
+#: the jitted kernel (created once; it compiles per dtype combination when first called)
+_jit = _numba.once(globals(), lambda numba: _numba.njit(_scale_cast_kernel),
+                   requires=(_rms._register,))  # _load/_store/_round_as registered
 
 
 def _scale_cast_kernel(x, out, c, chunk):

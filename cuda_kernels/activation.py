@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 import fxbackend
-from fxbackend.cuda_kernels.rope import DTYPES, _launch_on, lazy_kernel
+from fxbackend.cuda_kernels.rope import DTYPES, _cdiv, _launch_on, lazy_kernel
 from fxbackend.patterns.activation import ACTS, LinearActFusion, LinearGluFusion, gemm_into
 
 __all__ = ["why_not", "activate_triton", "glu_triton", "LinearActCUDA"]
@@ -104,7 +104,7 @@ def activate_triton(buf: torch.Tensor, act: str) -> torch.Tensor:
     inplace, _ = _kernels()
     total = buf.numel()
     if total:
-        _launch_on(buf.device, inplace[(triton_cdiv(total, BLOCK),)],
+        _launch_on(buf.device, inplace[(_cdiv(total, BLOCK),)],
                    (buf, total), dict(ACT=_ACT_ID[act], BLOCK=BLOCK, num_warps=NUM_WARPS,
                                       enable_fp_fusion=False))
     return buf
@@ -116,15 +116,12 @@ def glu_triton(y: torch.Tensor, out: torch.Tensor, act: str, gate: int) -> torch
     _, glu = _kernels()
     m, n = out.shape
     if out.numel():
-        _launch_on(out.device, glu[(m, triton_cdiv(n, BLOCK))],
+        _launch_on(out.device, glu[(m, _cdiv(n, BLOCK))],
                    (y, out, n, gate * n, (1 - gate) * n),
                    dict(ACT=_ACT_ID[act], BLOCK=BLOCK, num_warps=NUM_WARPS,
                         enable_fp_fusion=False))
     return out
 
-
-def triton_cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
 
 
 def why_not(x: Any, w: Any, bias: Any, out_dtype: Any, act: Any, gated: Any) -> str | None:

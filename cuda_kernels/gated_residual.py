@@ -35,9 +35,10 @@ import numpy as np
 import torch
 
 import fxbackend
-from fxbackend import TensorMeta
-from fxbackend.cuda_kernels.rope import DTYPES, _jit_lock, _launch_on, lazy_kernel
-from fxbackend.patterns.gated_residual import GatedResidualFusion, epilogue_layout
+from fxbackend.cuda_kernels.rope import (DTYPES, _launch_on, _next_pow2, _warmup_on,
+                                         lazy_kernel)
+from fxbackend.patterns.gated_residual import (GatedResidualFusion, epilogue_layout,
+                                               epilogue_why_not)
 
 __all__ = ["why_not", "gated_residual_triton", "compile_kernels", "GatedResidualCUDA"]
 
@@ -74,10 +75,6 @@ def _gated_residual_kernel(y_ptr, g_ptr, r_ptr, o_ptr, n_rows, ns, C,
 _kernel = lazy_kernel(_gated_residual_kernel)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
 @functools.lru_cache(maxsize=512)
 def _plan(shape: tuple, g_shape: tuple, g_stride: tuple, r_shape: tuple, r_stride: tuple,
           o_stride: tuple) -> tuple:
@@ -102,27 +99,9 @@ def _scale_value(scale_op, scale) -> float:
 def why_not(y: Any, gate: Any, residual: Any, out: Any) -> str | None:
     """None when :func:`gated_residual_triton` takes tensors with these metadata on CUDA; else a
     short reason.  Metadata only; never raises.  Declines non-CUDA devices, mixed devices or
-    dtypes, dtypes other than float32/bfloat16/float16, and what ``epilogue_layout`` declines."""
-    try:
-        metas = (("y", y), ("gate", gate), ("residual", residual), ("out", out))
-        for name, m in metas:
-            if not isinstance(m, TensorMeta):
-                return f"{name} is not a tensor"
-            if m.device.type != "cuda" or m.device != y.device:
-                return f"{name} is on {m.device}, not y's CUDA device"
-            if m.dtype != y.dtype:
-                return f"{name} has dtype {m.dtype}, y {y.dtype}"
-        if y.dtype not in DTYPES:
-            return f"dtype {y.dtype}"
-        if tuple(out.shape) != tuple(y.shape):
-            return f"out shape {tuple(out.shape)} is not y's {tuple(y.shape)}"
-        _plan(tuple(y.shape), tuple(gate.shape), tuple(gate.stride), tuple(residual.shape),
-              tuple(residual.stride), tuple(out.stride))
-        return None
-    except ValueError as e:
-        return str(e)
-    except Exception as e:  # malformed metadata: decline, never raise
-        return f"unexpected {type(e).__name__}: {e}"
+    dtypes, dtypes other than float32/bfloat16/float16, and what ``_plan`` (``epilogue_layout``
+    and the grid limit) declines (``epilogue_why_not``)."""
+    return epilogue_why_not(y, gate, residual, out, "cuda", _plan)
 
 
 def _plan_of(y, gate, res, out) -> tuple:
@@ -174,18 +153,16 @@ def gated_residual_triton(y: torch.Tensor, gate: torch.Tensor, residual: torch.T
 def compile_kernels(y, gate, residual, out, scale_op) -> None:
     """Plan-time warm-up for these metadata (a no-op off CUDA or without a GPU); call it only
     when :func:`why_not` returned None.  Safe to call from several threads."""
-    if y.device.type != "cuda" or not torch.cuda.is_available():
+    if y.device.type != "cuda":
         return
     grid, args, block_r, block_c = _plan(tuple(y.shape), tuple(gate.shape), tuple(gate.stride),
                                          tuple(residual.shape), tuple(residual.stride),
                                          tuple(out.stride))
     if grid[0] == 0 or grid[1] == 0:
         return
-    kernel = _kernel()  # before taking the lock: the first call takes it to jit
-    with _jit_lock, torch.cuda.device(y.device):
-        kernel.warmup(y.dtype, gate.dtype, residual.dtype, out.dtype, *args, 1.0,
-                      HAS_SCALE=scale_op is not None, BLOCK_R=block_r, BLOCK_C=block_c,
-                      num_warps=NUM_WARPS, enable_fp_fusion=False, grid=grid)
+    _warmup_on(y.device, _kernel, (y.dtype, gate.dtype, residual.dtype, out.dtype, *args, 1.0),
+               dict(HAS_SCALE=scale_op is not None, BLOCK_R=block_r, BLOCK_C=block_c,
+                    num_warps=NUM_WARPS, enable_fp_fusion=False, grid=grid))
 
 
 class GatedResidualCUDA:

@@ -39,8 +39,8 @@ import fxbackend
 from fxbackend import TensorMeta
 from fxbackend.cuda_kernels import rope as _rope
 from fxbackend.cuda_kernels.rmsnorm import num_warps
-from fxbackend.cuda_kernels.rope import (DTYPES, MAX_LEAD_DIMS, TILE, _jit_lock, _launch_on,
-                                         _merge_lead_dims, _next_pow2, lazy_kernel)
+from fxbackend.cuda_kernels.rope import (DTYPES, MAX_LEAD_DIMS, TILE, _launch_on,
+                                         _merge_lead_dims, _next_pow2, _warmup_on, lazy_kernel)
 from fxbackend.patterns.modulation import NORMS, ModulationFusion
 
 __all__ = ["modulation_triton", "ModulationCUDA", "why_not", "MAX_D"]
@@ -211,17 +211,15 @@ class ModulationCUDA:
 
     def compile(self, x, scale, shift, out, norm, has_add):
         """Plan-time warm-up into Triton's caches; a no-op off CUDA or without a GPU."""
-        if x.device.type != "cuda" or not torch.cuda.is_available():
+        if x.device.type != "cuda":
             return
         p = _plan(tuple(x.shape), tuple(x.stride), tuple(scale.stride), tuple(shift.stride))
         if p.grid[0] == 0:
             return
-        kernel = _kernel()  # before taking the lock: the first call takes it to jit
-        with _jit_lock, torch.cuda.device(x.device):  # plans compile nodes in parallel
-            kernel.warmup(x.dtype, x.dtype, x.dtype, x.dtype, *p.args, 1e-6, 1.0,
-                          IS_RMS=norm == "rms", HAS_ADD=has_add, BLOCK_R=p.block_r,
-                          BLOCK_D=p.block_d, num_warps=p.num_warps, enable_fp_fusion=False,
-                          grid=p.grid)
+        _warmup_on(x.device, _kernel, (x.dtype, x.dtype, x.dtype, x.dtype, *p.args, 1e-6, 1.0),
+                   dict(IS_RMS=norm == "rms", HAS_ADD=has_add, BLOCK_R=p.block_r,
+                        BLOCK_D=p.block_d, num_warps=p.num_warps, enable_fp_fusion=False,
+                        grid=p.grid))
 
     def run(self, x, scale, shift, out, *, norm, eps, add_c):
         p = _plan(tuple(x.shape), tuple(x.stride()), tuple(scale.stride()),

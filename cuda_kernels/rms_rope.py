@@ -46,7 +46,7 @@ import fxbackend
 from fxbackend import TensorMeta
 from fxbackend.cuda_kernels import rope as _rope
 from fxbackend.cuda_kernels.rmsnorm import num_warps
-from fxbackend.cuda_kernels.rope import DTYPES, _jit_lock, _launch_on, lazy_kernel
+from fxbackend.cuda_kernels.rope import DTYPES, _launch_on, _warmup_on, lazy_kernel
 from fxbackend.patterns.rope import MODES, RmsRopeFusion
 
 __all__ = ["why_not", "rms_rope_triton", "compile_kernels"]
@@ -226,19 +226,18 @@ def compile_kernels(x_meta, w_meta, cos_meta, sin_meta, out_dtype, mode, n_rot,
     specialisation, with or without a scale) into Triton's in-process and on-disk caches.  A
     no-op off CUDA or without a GPU; call it only when :func:`why_not` returned None (raises
     ValueError otherwise).  Safe to call from several threads."""
-    if x_meta.device.type != "cuda" or not torch.cuda.is_available():
+    if x_meta.device.type != "cuda":
         return
     p = _plan_of_metas(x_meta, w_meta, cos_meta, sin_meta, mode, n_rot)
     r = p.rope
     if r.grid[0] == 0:
         return
-    kernel = _kernel()  # before taking the lock: the first call takes it to jit
-    with _jit_lock, torch.cuda.device(x_meta.device):  # plans compile nodes in parallel
-        kernel.warmup(x_meta.dtype, w_meta.dtype, cos_meta.dtype, sin_meta.dtype, out_dtype,
-                      *r.args, p.w_stride, 1e-6, 1.0 if scale is None else float(scale),
-                      INTERLEAVED=r.interleaved, HAS_SCALE=scale is not None,
-                      BLOCK_R=r.block_r, BLOCK_D=r.block_d, num_warps=p.num_warps,
-                      enable_fp_fusion=False, grid=r.grid)
+    _warmup_on(x_meta.device, _kernel,
+               (x_meta.dtype, w_meta.dtype, cos_meta.dtype, sin_meta.dtype, out_dtype, *r.args,
+                p.w_stride, 1e-6, 1.0 if scale is None else float(scale)),
+               dict(INTERLEAVED=r.interleaved, HAS_SCALE=scale is not None, BLOCK_R=r.block_r,
+                    BLOCK_D=r.block_d, num_warps=p.num_warps, enable_fp_fusion=False,
+                    grid=r.grid))
 
 
 class RmsRopeCUDA:

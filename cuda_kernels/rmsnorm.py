@@ -38,8 +38,8 @@ import torch
 import fxbackend
 from fxbackend import TensorMeta
 from fxbackend.cuda_kernels import rope as _rope
-from fxbackend.cuda_kernels.rope import (DTYPES, MAX_LEAD_DIMS, TILE, _jit_lock, _launch_on,
-                                         _merge_lead_dims, _next_pow2, lazy_kernel)
+from fxbackend.cuda_kernels.rope import (DTYPES, MAX_LEAD_DIMS, TILE, _launch_on,
+                                         _merge_lead_dims, _next_pow2, _warmup_on, lazy_kernel)
 from fxbackend.patterns.rmsnorm import rms_norm_out_dtype
 
 __all__ = ["rms_norm_triton", "RmsNormCUDA", "MAX_D"]
@@ -259,15 +259,13 @@ class RmsNormCUDA:
         """Plan-time warm-up: compile the kernel for this node's dtypes, block sizes and integer
         specialisation (Triton keeps it in its in-process and on-disk caches).  Only on CUDA."""
         x, w = _metas(node)
-        if x.device.type != "cuda" or not torch.cuda.is_available():
+        if x.device.type != "cuda":
             return
         p = _plan_of_metas(x, w)
-        kernel = _kernel()
-        with _jit_lock, torch.cuda.device(x.device):  # plans compile nodes in parallel
-            kernel.warmup(x.dtype, x.dtype if w is None else w.dtype, node.meta.dtype, *p.args,
-                          float(node.params["eps"]), HAS_WEIGHT=p.has_weight, BLOCK_R=p.block_r,
-                          BLOCK_D=p.block_d, num_warps=p.num_warps, enable_fp_fusion=False,
-                          grid=p.grid)
+        _warmup_on(x.device, _kernel, (x.dtype, x.dtype if w is None else w.dtype,
+                                       node.meta.dtype, *p.args, float(node.params["eps"])),
+                   dict(HAS_WEIGHT=p.has_weight, BLOCK_R=p.block_r, BLOCK_D=p.block_d,
+                        num_warps=p.num_warps, enable_fp_fusion=False, grid=p.grid))
 
     def execute(self, ctx, node, state, inputs, out, workspace) -> None:
         # _launch makes ctx.device current; Triton launches on its current stream (ctx.stream)

@@ -265,6 +265,22 @@ def _launch_on(device: torch.device, kernel, args: tuple, kw: dict) -> None:
         kernel(*args, **kw)
 
 
+def _warmup_on(device: torch.device, get_kernel: Callable[[], Any], args: tuple, kw: dict) -> None:
+    """Plan-time warm-up: ``get_kernel().warmup(*args, **kw)`` (argument dtypes and values,
+    constexprs, ``grid``) on ``device``, compiling the kernel into Triton's in-process and
+    on-disk caches.  A no-op off CUDA (the interpreter) or without a GPU.  Thread-safe: plans
+    compile their nodes in parallel.  Used by every ``compile`` of this package."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return
+    kernel = get_kernel()  # before taking the lock: the first call takes it to jit
+    with _jit_lock, torch.cuda.device(device):
+        kernel.warmup(*args, **kw)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
 def _launch(p: _Launch, device: torch.device, x, cos, sin, out) -> None:
     if p.grid[0] == 0:
         return
@@ -373,15 +389,13 @@ class RopeApplyCUDA:
         """Plan-time warm-up: compile the kernel for this node's dtypes, block sizes and integer
         specialisation (Triton keeps it in its in-process and on-disk caches).  Only on CUDA."""
         x, cos, sin = _metas(node)
-        if x.device.type != "cuda" or not torch.cuda.is_available():
+        if x.device.type != "cuda":
             return
         p = _plan(tuple(x.shape), tuple(x.stride), tuple(cos.shape), tuple(cos.stride),
                   tuple(sin.shape), tuple(sin.stride), node.params["mode"], node.params["n_rot"])
-        kernel = _kernel()
-        with _jit_lock, torch.cuda.device(x.device):  # plans compile nodes in parallel
-            kernel.warmup(x.dtype, cos.dtype, sin.dtype, node.meta.dtype, *p.args,
-                          INTERLEAVED=p.interleaved, BLOCK_R=p.block_r, BLOCK_D=p.block_d,
-                          num_warps=NUM_WARPS, grid=p.grid)
+        _warmup_on(x.device, _kernel, (x.dtype, cos.dtype, sin.dtype, node.meta.dtype, *p.args),
+                   dict(INTERLEAVED=p.interleaved, BLOCK_R=p.block_r, BLOCK_D=p.block_d,
+                        num_warps=NUM_WARPS, grid=p.grid))
 
     def execute(self, ctx, node, state, inputs, out, workspace) -> None:
         # _launch makes ctx.device current; Triton launches on its current stream (ctx.stream)

@@ -18,7 +18,7 @@ import torch
 
 import fxbackend
 from fxbackend import TensorMeta
-from fxbackend.cuda_kernels.rope import DTYPES, _launch_on, lazy_kernel
+from fxbackend.cuda_kernels.rope import DTYPES, _cdiv, _launch_on, lazy_kernel
 from fxbackend.patterns.scale_cast import ScaleCastFusion, is_dense
 
 __all__ = ["scale_cast_triton", "ScaleCastCUDA", "why_not"]
@@ -70,13 +70,9 @@ def scale_cast_triton(x: torch.Tensor, c: float, out: torch.Tensor) -> torch.Ten
         raise ValueError(f"scale_cast_triton: unsupported input: {why}")
     n = x.numel()
     if n:
-        _launch_on(x.device, _kernel()[(triton_cdiv(n, BLOCK),)], (_flat(x), _flat(out), n,
+        _launch_on(x.device, _kernel()[(_cdiv(n, BLOCK),)], (_flat(x), _flat(out), n,
                    float(c)), dict(BLOCK=BLOCK, num_warps=NUM_WARPS))
     return out
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class ScaleCastCUDA:

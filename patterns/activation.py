@@ -125,6 +125,13 @@ class _LinearRule:
     def __init__(self, impl) -> None:
         self.impl = impl
 
+    def match(self, graph, i: int):
+        try:
+            head = self._head(graph, i)
+            return 0 if head is None else self._match(graph, i, *head)
+        except Exception as exc:  # never raise: a chain we could not read is no match
+            return (0, f"chain not understood ({type(exc).__name__}: {exc})")
+
     @staticmethod
     def _head(graph, i: int):
         """(gemm, index after the views, last node so far) for a GEMM whose result is only
@@ -214,17 +221,8 @@ class LinearActFusion(_LinearRule):
         super().__init__(impl)
         self.name = "linear_act"
 
-    def match(self, graph, i: int):
-        try:
-            return self._match(graph, i)
-        except Exception as exc:  # never raise: a chain we could not read is no match
-            return (0, f"chain not understood ({type(exc).__name__}: {exc})")
-
-    def _match(self, graph, i: int):
-        head = self._head(graph, i)
-        if head is None:
-            return 0
-        g, k, prev = head
+    def _match(self, graph, i: int, g, k: int, prev):
+        """The chain after the GEMM ``g`` (``graph.nodes[i]``) and its views (``_head``)."""
         nodes = graph.nodes
         if k >= len(nodes):
             return 0
@@ -250,17 +248,8 @@ class LinearGluFusion(_LinearRule):
         super().__init__(impl)
         self.name = "linear_glu"
 
-    def match(self, graph, i: int):
-        try:
-            return self._match(graph, i)
-        except Exception as exc:  # never raise: a chain we could not read is no match
-            return (0, f"chain not understood ({type(exc).__name__}: {exc})")
-
-    def _match(self, graph, i: int):
-        head = self._head(graph, i)
-        if head is None:
-            return 0
-        g, k, prev = head
+    def _match(self, graph, i: int, g, k: int, prev):
+        """The chain after the GEMM ``g`` (``graph.nodes[i]``) and its views (``_head``)."""
         nodes = graph.nodes
         if k + 4 >= len(nodes):
             return 0

@@ -41,7 +41,7 @@ import fxbackend
 from fxbackend import TensorMeta
 
 __all__ = ["gated_residual_reference", "GatedResidualFusion", "ReferenceGatedResidual",
-           "DTYPES", "LINEAR_OPS", "EpilogueLayout", "epilogue_layout"]
+           "DTYPES", "LINEAR_OPS", "EpilogueLayout", "epilogue_layout", "epilogue_why_not"]
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LINEAR_OPS = ("aten.addmm.default", "aten.mm.default")
@@ -134,6 +134,34 @@ def epilogue_layout(shape: tuple, g_shape: tuple, g_stride: tuple, r_shape: tupl
                           (ob, oss, last[2]),
                           (_span(shape, ys), _span(g_shape, g_stride), _span(r_shape, r_stride),
                            _span(shape, o_stride)))
+
+
+def epilogue_why_not(y: Any, gate: Any, residual: Any, out: Any, device_type: str,
+                     layout=epilogue_layout) -> str | None:
+    """The ``why_not`` of both epilogue kernels: None when ``y``, ``gate``, ``residual`` and
+    ``out`` (``TensorMeta``) are on one ``device_type`` device, of one dtype of ``DTYPES``, out
+    of y's shape, and ``layout(shape, g_shape, g_stride, r_shape, r_stride, o_stride)`` (the
+    kernel's launch plan: :func:`epilogue_layout` or one built on it) accepts their layout;
+    else a short reason (a ValueError's message).  Never raises."""
+    try:
+        for name, m in (("y", y), ("gate", gate), ("residual", residual), ("out", out)):
+            if not isinstance(m, TensorMeta):
+                return f"{name} is not a tensor"
+            if m.device.type != device_type or m.device != y.device:
+                return f"{name} is on {m.device}, not y's {device_type} device"
+            if m.dtype != y.dtype:
+                return f"{name} has dtype {m.dtype}, y {y.dtype}"
+        if y.dtype not in DTYPES:
+            return f"dtype {y.dtype} (float32, bfloat16 or float16)"
+        if tuple(out.shape) != tuple(y.shape):
+            return f"out shape {tuple(out.shape)} is not y's {tuple(y.shape)}"
+        layout(tuple(y.shape), tuple(gate.shape), tuple(gate.stride), tuple(residual.shape),
+               tuple(residual.stride), tuple(out.stride))
+        return None
+    except ValueError as exc:
+        return str(exc)
+    except Exception as exc:  # never raise: decline with the reason
+        return f"metadata not understood ({type(exc).__name__}: {exc})"
 
 
 def _span(shape, stride) -> int:

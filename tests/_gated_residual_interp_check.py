@@ -22,11 +22,16 @@ from _rope_interp_check import serve
 LAYOUTS = ("plain", "in_place", "strided", "gate_per_token")
 
 
-def build(layout: str, b: int, s: int, c: int, dtype, torch):
+def build(layout: str, b: int, s: int, c: int, dtype, torch, seed: int | None = None):
     """``(y, gate, residual, out)`` for one layout: the gate a strided chunk of an adaLN output
-    broadcast over tokens; "strided": a transposed residual and out; "in_place": out is y;
-    "gate_per_token": a [B, S, 1] gate broadcast over the features."""
-    g = torch.Generator().manual_seed(zlib.crc32(f"{layout}/{b}/{s}/{c}".encode()))
+    broadcast over tokens; "strided": a transposed residual and out; "in_place": out is y (the
+    caller passes y as out; ``out`` here is a copy of y); "gate_per_token": a [B, S, 1] gate
+    broadcast over the features; "residual_bcast": a [C] residual (a bias-like add).  ``seed``:
+    the generator's seed (None: one derived from the case).  Also the operands of
+    tests/test_gated_residual.py's CPU tests."""
+    if seed is None:
+        seed = zlib.crc32(f"{layout}/{b}/{s}/{c}".encode())
+    g = torch.Generator().manual_seed(seed)
 
     def randn(*shape):
         return torch.randn(*shape, generator=g).to(dtype)
@@ -42,6 +47,8 @@ def build(layout: str, b: int, s: int, c: int, dtype, torch):
         out = torch.full((b, c, s), float("nan"), dtype=dtype).transpose(1, 2)
     elif layout == "gate_per_token":
         gate = randn(b, s, 2)[..., :1]
+    elif layout == "residual_bcast":
+        res = randn(c)
     return y, gate, res, out
 
 

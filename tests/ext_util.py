@@ -2,8 +2,11 @@
 
 - hand-built graphs: :func:`contiguous_meta`, :func:`graph_of`, :func:`set_outputs`,
   :func:`compiled`;
+- whole models: :func:`eager_and_compiled` (a diffusers model of ``fxbackend.models`` eager and
+  through the backend), :func:`rel_err`;
 - registrations that undo themselves: the ``reg`` fixture (``reg.op(...)``,
-  ``reg.kernel(device, k)``, ``reg.fusion(device, rule)``);
+  ``reg.kernel(device, k)``, ``reg.fusion(device, rule)``) and :func:`rule_on_top` (a fusion
+  rule registered above the shipped ones for a ``with`` block);
 - ``registry_guard``: a fixture that fails a test which leaves an op, kernel or fusion rule
   registered (registrations are global: a leak would change what other tests select), and
   removes the leftovers so that later tests start clean.
@@ -12,12 +15,14 @@ Test modules import the fixtures by name (``from ext_util import reg, registry_g
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from typing import Any, Iterator, Sequence
 
 import pytest
 import torch
 
 import fxbackend
+import fxbackend.models
 from fxbackend import Graph, Node, TensorMeta
 from fxbackend import fusion as _fusion
 from fxbackend import ops as _ops
@@ -50,6 +55,18 @@ def graph_of(*shapes: Sequence[int], dtype: torch.dtype = torch.float32) -> tupl
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """max|out - ref| / max|ref|, in float32."""
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def eager_and_compiled(family: str, size: str = "tiny") -> tuple:
+    """``(eager output, compiled output, model)``: the model ``family``/``size`` of
+    ``fxbackend.models`` run on its inputs eagerly, then through
+    ``torch.compile(backend="fxbackend")`` (which compiles on that call), without grad."""
+    model = fxbackend.models.build_model(family, size)
+    inputs = fxbackend.models.make_inputs(family, size)
+    with torch.no_grad():
+        ref = fxbackend.models.run_eager(model, inputs)
+        out = fxbackend.models.run_eager(torch.compile(model, backend="fxbackend"), inputs)
+    return ref, out, model
 
 
 def set_outputs(g: Graph, *nodes: Node) -> None:
@@ -105,6 +122,19 @@ class Registrations:
                 fxbackend.unregister_kernel(key, obj)
             elif kind == "fusion" and obj in _fusion.fusions_for(key):
                 fxbackend.unregister_fusion(key, obj)
+
+
+@contextlib.contextmanager
+def rule_on_top(rule: Any, name: str, device: str = "cpu") -> Iterator[Any]:
+    """``rule`` renamed ``name`` and registered for ``device`` above the shipped rules (priority
+    100) for the ``with`` block (a pattern test's rule with the torch implementation, or one
+    whose kernel declines); unregistered on the way out, also on an error."""
+    rule.name, rule.priority = name, 100
+    fxbackend.register_fusion(device, rule)
+    try:
+        yield rule
+    finally:
+        fxbackend.unregister_fusion(device, rule)
 
 
 @pytest.fixture

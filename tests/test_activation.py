@@ -14,11 +14,11 @@ from diffusers.models.attention import FeedForward
 import fxbackend
 import fxbackend.cpu_kernels.activation  # noqa: F401  (registers the CPU rules)
 import fxbackend.cuda_kernels.activation  # noqa: F401  (registers the CUDA rules)
-from fxbackend import models
 from fxbackend.cpu_kernels.activation import LinearActCPU, activate_cpu, glu_cpu
 from fxbackend.patterns.activation import (ACTS, LinearActFusion, ReferenceLinearAct,
                                            act_reference, linear_act_reference)
 
+from ext_util import eager_and_compiled, rule_on_top
 import _rope_interp_check as interp
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -163,13 +163,8 @@ def test_rule_declines_with_the_kernels_reason():
         def why_not(self, *a):
             return "no kernel for this"
 
-    r = LinearActFusion(No())
-    r.name, r.priority = "linear_act_test", 100
-    fxbackend.register_fusion("cpu", r)
-    try:
+    with rule_on_top(LinearActFusion(No()), "linear_act_test"):
         text = fxbackend.explain(_ff("gelu-approximate"), torch.randn(1, 9, 16))
-    finally:
-        fxbackend.unregister_fusion("cpu", r)
     assert "declined linear_act_test" in text and "no kernel for this" in text, text
 
 
@@ -195,10 +190,7 @@ MODEL_FIRES = {"flux": {"linear_act": 6}, "sd3": {"linear_act": 5},
 def test_models_fire_and_match_eager(family):
     torch._dynamo.reset()
     fxbackend.reset_stats()
-    model = models.build_model(family, "tiny")
-    inputs = models.make_inputs(family, "tiny")
-    ref = models.run_eager(model, inputs)
-    out = models.run_eager(torch.compile(model, backend="fxbackend"), inputs)
+    ref, out, _ = eager_and_compiled(family)
     fires = {k: v for k, v in fxbackend.stats()["fusions_by_rule"].items()
              if k in ("linear_act", "linear_glu")}
     assert fires == MODEL_FIRES[family]

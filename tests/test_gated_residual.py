@@ -21,11 +21,13 @@ import torch.nn.functional as F
 import fxbackend
 import fxbackend.cpu_kernels.gated_residual as cpu_gr
 import fxbackend.cuda_kernels.gated_residual as cuda_gr
-from fxbackend import TensorMeta, models
+from fxbackend import TensorMeta
 from fxbackend.patterns.gated_residual import (GatedResidualFusion, ReferenceGatedResidual,
                                                epilogue_layout, gated_residual_reference)
 
+from ext_util import eager_and_compiled, rel_err, rule_on_top
 import _rope_interp_check as interp
+from _gated_residual_interp_check import build as build_operands
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 SCALES = [(None, None), ("mul", 0.37), ("div", 3.0)]
@@ -36,25 +38,8 @@ def _gen(seed):
 
 
 def _operands(layout, b, s, c, dtype, seed=0):
-    """``(y, gate, residual, out)``: the gate a strided chunk of an adaLN output broadcast over
-    tokens, unless the layout says otherwise."""
-    g = _gen(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=g).to(dtype)
-
-    y = randn(b, s, c)
-    gate = randn(b, 6 * c)[:, 2 * c:3 * c].unsqueeze(1)
-    res = randn(b, s, c)
-    out = torch.full((b, s, c), float("nan"), dtype=dtype)
-    if layout == "strided":  # a transposed residual and output
-        res = randn(b, c, s).transpose(1, 2)
-        out = torch.full((b, c, s), float("nan"), dtype=dtype).transpose(1, 2)
-    elif layout == "gate_per_token":  # [B, S, 1] broadcast over the features
-        gate = randn(b, s, 2)[..., :1]
-    elif layout == "residual_bcast":  # a [C] residual (a bias-like add)
-        res = randn(c)
-    return y, gate, res, out
+    """``(y, gate, residual, out)`` for one layout (the interpreter check's ``build``)."""
+    return build_operands(layout, b, s, c, dtype, torch, seed)
 
 
 # -- the CPU kernel -----------------------------------------------------------------------------
@@ -260,16 +245,11 @@ class _Impl(ReferenceGatedResidual):
 
 @pytest.mark.parametrize("decline", [None, "no kernel for this"])
 def test_rule_with_the_torch_reference_impl(decline):
-    rule = GatedResidualFusion(_Impl(decline))
-    rule.name, rule.priority = "gated_residual_test", 100
-    fxbackend.register_fusion("cpu", rule)
-    try:
+    with rule_on_top(GatedResidualFusion(_Impl(decline)), "gated_residual_test") as rule:
         mod = _Block(variant="pixart")
         args = _block_inputs()
         out, fires = _compiled(mod, args)
         text = fxbackend.explain(mod, *args) if decline else ""
-    finally:
-        fxbackend.unregister_fusion("cpu", rule)
     with torch.no_grad():
         assert torch.equal(out, mod(*args))
     if decline:
@@ -313,14 +293,8 @@ def _expected_fires(family: str, cfg) -> int:
 
 @pytest.mark.parametrize("family", ["flux", "sd3", "pixart", "unet"])
 def test_model_fires_once_per_gated_residual(family):
-    model = models.build_model(family, "tiny")
-    inputs = models.make_inputs(family, "tiny")
-    with torch.no_grad():
-        ref = models.run_eager(model, inputs)
-        torch._dynamo.reset()
-        fxbackend.reset_stats()
-        out = models.run_eager(torch.compile(model, backend="fxbackend"), inputs)
-    assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+    ref, out, model = eager_and_compiled(family)  # the eager run counts no fusions
+    assert rel_err(out, ref) <= 1e-5
     fires = fxbackend.stats()["fusions_by_rule"].get("gated_residual", 0)
     assert fires == _expected_fires(family, model.config)
 

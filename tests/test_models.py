@@ -7,7 +7,7 @@ import torch
 
 import fxbackend
 from fxbackend import models
-from ext_util import rel_err as _rel_err
+from ext_util import eager_and_compiled, rel_err as _rel_err
 
 FAMILIES = ["flux", "sd3", "pixart", "unet"]
 
@@ -49,11 +49,7 @@ def test_dynamic_two_resolutions(family):
 
 
 def test_flux_small_arena_at_most_60_percent():
-    model = models.build_model("flux", "small")
-    inputs = models.make_inputs("flux", "small")
-    with torch.no_grad():
-        ref = models.run_eager(model, inputs)
-        out = models.run_eager(torch.compile(model, backend="fxbackend"), inputs)
+    ref, out, _ = eager_and_compiled("flux", "small")
     assert _rel_err(out, ref) <= 1e-5
     s = fxbackend.stats()
     assert s["plans_built"] == 1

@@ -25,12 +25,12 @@ import fxbackend
 import fxbackend.cpu_kernels.modulation  # noqa: F401  (registers the "cpu" rule)
 import fxbackend.cuda_kernels.modulation  # noqa: F401  (registers the "cuda" rule)
 import fxbackend.cpu_kernels.scale_cast  # noqa: F401  (its model count is checked here too)
-from fxbackend import models
 from fxbackend.cpu_kernels.modulation import modulation_cpu
 from fxbackend.patterns.modulation import (ModulationFusion, ReferenceModulation,
                                            modulation_reference)
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from ext_util import eager_and_compiled, rel_err, rule_on_top  # noqa: E402
 from _modulation_interp_check import LAYOUTS, build  # noqa: E402
 from _rope_interp_check import check_result, run_checker  # noqa: E402
 
@@ -39,10 +39,6 @@ EPS = 1e-6
 # rounding, almost every element bit-equal
 TOL = [("float32", 2e-6, 1e-5, 0.3), ("bfloat16", 1.6e-2, 1e-2, 0.99),
        ("float16", 2e-3, 1e-3, 0.99)]
-
-
-def _rel(a, b) -> float:
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
 # -- the reference ----------------------------------------------------------------------------
@@ -82,7 +78,7 @@ def test_cpu_kernel_float32_error_at_flux_width():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, 64, 3072, generator=g) * 3 + 1
     s, h = torch.randn(1, 1, 3072, generator=g) * 0.3, torch.randn(1, 1, 3072, generator=g)
-    assert _rel(modulation_cpu(x, s, h), modulation_reference(x, s, h, EPS)) < 1e-6
+    assert rel_err(modulation_cpu(x, s, h), modulation_reference(x, s, h, EPS)) < 1e-6
 
 
 def test_cpu_kernel_rejects_what_it_does_not_handle():
@@ -165,12 +161,8 @@ class _Impl(ReferenceModulation):
 @pytest.fixture
 def rule():
     """The rule with the torch implementation, registered for "cpu" above the numba one."""
-    r = ModulationFusion(_Impl())
-    r.name = "modulation_test"
-    r.priority = 100
-    fxbackend.register_fusion("cpu", r)
-    yield r
-    fxbackend.unregister_fusion("cpu", r)
+    with rule_on_top(ModulationFusion(_Impl()), "modulation_test") as r:
+        yield r
 
 
 class _Zero(torch.nn.Module):
@@ -236,7 +228,7 @@ def test_rule_fuses_diffusers_adaln(rule, make):
     # the c + scale add is in the step (its only reader is the chain)
     assert [c["add_c"] for c in rule.impl.calls] == [1.0]
     unfused = _compiled(mod, x, emb, options={"fusion": False})
-    assert _rel(fused, eager) < 1e-6 and _rel(unfused, eager) < 1e-6
+    assert rel_err(fused, eager) < 1e-6 and rel_err(unfused, eager) < 1e-6
 
 
 @pytest.mark.parametrize("make", [_Zero, _Continuous, _Single],
@@ -250,7 +242,7 @@ def test_cpu_kernel_through_the_backend(make):
     s = fxbackend.stats()
     assert s["fusions_by_rule"] == {"modulation": 1}
     unfused = _compiled(mod, x, emb, options={"fusion": False})
-    assert _rel(fused, eager) < 1e-6 and _rel(fused, unfused) < 1e-6
+    assert rel_err(fused, eager) < 1e-6 and rel_err(fused, unfused) < 1e-6
 
 
 def test_a_scale_read_elsewhere_stays_outside(rule):
@@ -300,16 +292,11 @@ def test_affine_layer_norm_is_not_a_chain(rule):
 
 
 def test_rule_reports_the_kernels_decline():
-    r = ModulationFusion(_Impl(decline="no kernel for this"))
-    r.name = "modulation_declining"
-    r.priority = 100
-    fxbackend.register_fusion("cpu", r)
-    try:
+    with rule_on_top(ModulationFusion(_Impl(decline="no kernel for this")),
+                     "modulation_declining") as r:
         x, emb = _inputs(16)
         with torch.no_grad():
             text = fxbackend.explain(_Zero(), x, emb)
-    finally:
-        fxbackend.unregister_fusion("cpu", r)
     assert "declined modulation_declining on" in text and "no kernel for this" in text
     assert r.impl.calls == []
 
@@ -354,12 +341,8 @@ def _expected_chains(family: str, cfg) -> int:
 
 @pytest.mark.parametrize("family", ["flux", "sd3", "pixart", "unet"])
 def test_models_fire_once_per_adaln_chain(family):
-    model = models.build_model(family, "tiny")
-    inputs = models.make_inputs(family, "tiny")
-    with torch.no_grad():
-        ref = models.run_eager(model, inputs)
-        out = models.run_eager(torch.compile(model, backend="fxbackend"), inputs)
-    assert _rel(out, ref) <= 1e-5
+    ref, out, model = eager_and_compiled(family)
+    assert rel_err(out, ref) <= 1e-5
     want = _expected_chains(family, model.config)
     assert fxbackend.stats()["fusions_by_rule"].get("modulation", 0) == want
     assert {"flux": 6, "sd3": 7, "pixart": 5, "unet": 0}[family] == want  # the tiny configs

@@ -14,8 +14,9 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.normalization import RMSNorm
 
 import fxbackend
-from fxbackend import models
 from fxbackend.patterns.rope import ReferenceRmsRope, RmsRopeFusion, rms_rope_reference
+
+from ext_util import eager_and_compiled, rel_err, rule_on_top
 
 
 class _Impl(ReferenceRmsRope):
@@ -34,12 +35,8 @@ class _Impl(ReferenceRmsRope):
 @pytest.fixture
 def rule():
     """The rule registered for "cpu" with the torch implementation, above any device rule."""
-    r = RmsRopeFusion(_Impl())
-    r.name = "rms_rope_test"
-    r.priority = 100
-    fxbackend.register_fusion("cpu", r)
-    yield r
-    fxbackend.unregister_fusion("cpu", r)
+    with rule_on_top(RmsRopeFusion(_Impl()), "rms_rope_test") as r:
+        yield r
 
 
 def _attention_inputs(dtype=torch.float32, s=6, h=2, d=8, seed=0):
@@ -147,17 +144,12 @@ def test_copy_back_into_the_normalised_input_joins_the_step(rule):
 
 
 def test_rule_declines_when_the_kernel_does():
-    r = RmsRopeFusion(_Impl(decline="no kernel for this"))
-    r.name = "rms_rope_declining"
-    r.priority = 100
-    fxbackend.register_fusion("cpu", r)
-    try:
+    with rule_on_top(RmsRopeFusion(_Impl(decline="no kernel for this")),
+                     "rms_rope_declining") as r:
         args = _attention_inputs()
         (q, _), (rq, _) = _run(_QK(), *args)
         assert "rms_rope_declining" not in fxbackend.stats()["fusions_by_rule"]
         text = fxbackend.explain(_QK(), *args)
-    finally:
-        fxbackend.unregister_fusion("cpu", r)
     torch.testing.assert_close(q, rq, rtol=1e-5, atol=1e-5)
     assert r.impl.calls == 0
     assert "declined rms_rope_declining on" in text and "no kernel for this" in text
@@ -210,12 +202,8 @@ def test_terminal_copy_into_an_input_it_reads_goes_through_workspace(rule):
 def test_flux_fuses_q_and_k_of_every_single_stream_block():
     # the shipped CPU rule (numba kernel), no test rule registered.  Every RoPE of Flux becomes
     # sd.rope_apply.v1 (rewrites) and every QK RMSNorm sd.rms_norm.v1
-    model = models.build_model("flux", "tiny")
-    inputs = models.make_inputs("flux", "tiny")
-    with torch.no_grad():
-        ref = models.run_eager(model, inputs)
-        out = models.run_eager(torch.compile(model, backend="fxbackend"), inputs)
-    assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+    ref, out, model = eager_and_compiled("flux")
+    assert rel_err(out, ref) <= 1e-5
     s = fxbackend.stats()
     assert s["rewrites_by_rule"] == {"rope": 4, "rms_norm": 6}
     n_single = model.config.num_single_layers
