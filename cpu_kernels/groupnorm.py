@@ -37,67 +37,58 @@ second time from L2 (a group of SD1.5's UNet is at most 160 KB) for the output; 
 groups are runs of C/G channels at stride C, accumulated per channel so the inner loop has no
 reduction.  The weight and bias are contiguous ``[C]`` vectors (float32 or x's dtype).
 bf16/fp16 pass as int16/uint16 bits converted in registers (``cpu_kernels/rope.py``); the
-kernel compiles at plan time and is cached on disk (rope's cache dir; keyed on this file alone).
+kernel compiles at plan time and is cached on disk (``cpu_kernels/_numba.py``: keyed on this
+file alone).
 """
 from __future__ import annotations
 
 import math
-import threading
 from typing import Any
 
 import numpy as np
 import torch
 
 import fxbackend
-from fxbackend.patterns.groupnorm import (GROUP_NORM_OP, GroupNormSiluFusion,
-                                          group_norm_silu_reference, memory_format_of)
+from fxbackend.patterns.groupnorm import (GroupNormOpKernel, GroupNormSiluFusion,
+                                          group_norm_silu_reference, layout_why_not,
+                                          memory_format_of)
 
+from . import _numba
 from . import rmsnorm as _rms
+from . import rope as _rope
 from .rope import _NP_OF, _compile_lock, _flat, _load, _set_threads, _store
 from .rmsnorm import _round_as
 
 __all__ = ["why_not", "group_norm_silu_cpu", "compile_kernels", "GroupNormSiluCPU",
            "GroupNormCPU"]
 
-#: ``numba.prange`` once numba is imported (see ``cpu_kernels/rope.py``); ``range`` until then
+#: ``numba.prange`` once numba is imported (see ``cpu_kernels/_numba.py``); ``range`` until then
 prange = range
-_jit_lock = threading.Lock()
-_kernel = None
 
 
-def _jit():
-    """The jitted kernels ``(nchw, nhwc)`` (created once; each compiles per dtype combination
-    when first called)."""
-    global _kernel, prange
-    if _kernel is None:
-        _rms._register()  # numba imported; rope's and rmsnorm's helpers registered
-        with _jit_lock:
-            if _kernel is None:
-                import numba
-                from numba import types
-                from numba.extending import intrinsic, overload, register_jitable
-                prange = numba.prange
+def _build(numba):
+    from numba import types
+    from numba.extending import intrinsic, overload, register_jitable
 
-                @intrinsic
-                def fma32(typingctx, a, b, c):
-                    sig = types.float32(types.float32, types.float32, types.float32)
+    @intrinsic
+    def fma32(typingctx, a, b, c):
+        sig = types.float32(types.float32, types.float32, types.float32)
 
-                    def codegen(context, builder, signature, args):
-                        return builder.fma(*args)  # llvm.fma.f32: one rounding
-                    return sig, codegen
+        def codegen(context, builder, signature, args):
+            return builder.fma(*args)  # llvm.fma.f32: one rounding
+        return sig, codegen
 
-                overload(_fma, strict=False)(
-                    lambda a, b, c: lambda a, b, c: fma32(np.float32(a), np.float32(b),
-                                                          np.float32(c)))
-                for fn in (_expf, _silu, _finish, _scale_bias):
-                    register_jitable(fn)
-                # the sums alone may be reordered (vectorised partial sums); see the docstring
-                overload(_moments_run, jit_options={"fastmath": {"reassoc"}}, strict=False)(
-                    lambda x, base, m, x0: _moments_run)
-                opts = dict(parallel=True, cache=True, fastmath=False, nogil=True)
-                _kernel = (numba.njit(**opts)(_gn_nchw_kernel),
-                           numba.njit(**opts)(_gn_nhwc_kernel))
-    return _kernel
+    overload(_fma, strict=False)(
+        lambda a, b, c: lambda a, b, c: fma32(np.float32(a), np.float32(b), np.float32(c)))
+    for fn in (_expf, _silu, _finish, _scale_bias):
+        register_jitable(fn)
+    _numba.reassoc(_moments_run)  # the sums alone may be reordered (vectorised partial sums)
+    return _numba.njit(_gn_nchw_kernel), _numba.njit(_gn_nhwc_kernel)
+
+
+#: the jitted kernels ``(nchw, nhwc)`` (created once; each compiles per dtype combination when
+#: first called); they call rope's ``_load``/``_store`` and rmsnorm's ``_round_as``
+_jit = _numba.once(globals(), _build, requires=(_rope._register, _rms._register))
 
 
 # -- jitted helpers (float32 maths unless stated) -----------------------------------------------
@@ -292,27 +283,7 @@ def why_not(x: Any, w: Any, b: Any, out: Any, groups: Any, eps: Any) -> str | No
                 return "symbolic metadata"
         if x.dtype not in _NP_OF:
             return f"x dtype {x.dtype} (float32, bfloat16 or float16)"
-        if out.dtype != x.dtype or tuple(out.shape) != tuple(x.shape):
-            return f"out {out.dtype}{list(out.shape)} is not x's dtype and shape"
-        if len(x.shape) < 2:
-            return f"x has {len(x.shape)} dims (N, C, ...)"
-        c = int(x.shape[1])
-        for name, mt in (("weight", w), ("bias", b)):
-            if mt.dtype not in (torch.float32, x.dtype):
-                return f"{name} dtype {mt.dtype} (float32 or x's {x.dtype})"
-            if tuple(mt.shape) != (c,) or (c > 1 and tuple(mt.stride) != (1,)):
-                return f"{name} is not a contiguous [{c}] vector"
-        if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1 or c % groups:
-            return f"groups {groups!r} does not divide C={c}"
-        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0 or \
-                not math.isfinite(eps):
-            return f"eps {eps!r} (a finite float >= 0)"
-        fx, fo = memory_format_of(x.shape, x.stride), memory_format_of(out.shape, out.stride)
-        if fx is None:
-            return f"x strides {tuple(x.stride)} are neither dense NCHW nor channels-last"
-        if fo != fx:
-            return f"out layout {fo} differs from x's {fx}"
-        return None
+        return layout_why_not(x, w, b, out, groups, eps)
     except Exception as exc:  # never raise: decline with the reason
         return f"metadata not understood ({type(exc).__name__}: {exc})"
 
@@ -376,23 +347,13 @@ class GroupNormSiluCPU:
         _launch(x, w, b, out, groups, eps, silu)
 
 
-class GroupNormCPU:
+class GroupNormCPU(GroupNormOpKernel):
     """The numba kernel (no SiLU) for the op ``sd.group_norm.v1``: what :func:`why_not` takes
     with the node's contiguous output, i.e. dense NCHW x (channels-last x is declined: its
     output would need the other layout).  Workspace: none."""
 
     name = "group_norm_cpu"
-    op = GROUP_NORM_OP
-
-    def supports(self, node) -> bool:
-        try:
-            if len(node.srcs) != 3:
-                return False
-            x, w, b = (s.meta for s in node.srcs)
-            return why_not(x, w, b, node.meta, node.params.get("groups"),
-                           node.params.get("eps")) is None
-        except Exception:  # never raise from supports: decline instead
-            return False
+    why_not = staticmethod(why_not)
 
     def compile(self, node) -> None:
         compile_kernels(*(s.meta.dtype for s in node.srcs))

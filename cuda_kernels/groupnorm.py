@@ -31,16 +31,16 @@ tensor) would be the next step.  Importing this module does not import Triton
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
 import fxbackend
 from fxbackend import TensorMeta
-from fxbackend.cuda_kernels.rope import DTYPES, _jit_lock, _launch_on, lazy_kernel
-from fxbackend.patterns.groupnorm import (GROUP_NORM_OP, GroupNormSiluFusion,
-                                          group_norm_silu_reference, memory_format_of)
+from fxbackend.cuda_kernels.rope import DTYPES, _launch_on, _warmup_on, lazy_kernel
+from fxbackend.patterns.groupnorm import (GroupNormOpKernel, GroupNormSiluFusion,
+                                          group_norm_silu_reference, layout_why_not,
+                                          memory_format_of)
 
 __all__ = ["why_not", "group_norm_silu_triton", "compile_kernels", "GroupNormSiluCUDA",
            "GroupNormCUDA"]
@@ -123,27 +123,7 @@ def why_not(x: Any, w: Any, b: Any, out: Any, groups: Any, eps: Any) -> str | No
                 return f"{name} is on {mt.device}, x on {x.device}"
         if x.dtype not in DTYPES:
             return f"x dtype {x.dtype}"
-        if out.dtype != x.dtype or tuple(out.shape) != tuple(x.shape):
-            return f"out {out.dtype}{list(out.shape)} is not x's dtype and shape"
-        if len(x.shape) < 2:
-            return f"x has {len(x.shape)} dims (N, C, ...)"
-        c = int(x.shape[1])
-        for name, mt in (("weight", w), ("bias", b)):
-            if mt.dtype not in (torch.float32, x.dtype):
-                return f"{name} dtype {mt.dtype} (float32 or x's {x.dtype})"
-            if tuple(mt.shape) != (c,) or (c > 1 and tuple(mt.stride) != (1,)):
-                return f"{name} is not a contiguous [{c}] vector"
-        if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1 or c % groups:
-            return f"groups {groups!r} does not divide C={c}"
-        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0 or \
-                not math.isfinite(eps):
-            return f"eps {eps!r} (a finite float >= 0)"
-        fx, fo = memory_format_of(x.shape, x.stride), memory_format_of(out.shape, out.stride)
-        if fx is None:
-            return f"x strides {tuple(x.stride)} are neither dense NCHW nor channels-last"
-        if fo != fx:
-            return f"out layout {fo} differs from x's {fx}"
-        return None
+        return layout_why_not(x, w, b, out, groups, eps)
     except Exception as exc:  # malformed metadata: decline, never raise
         return f"metadata not understood ({type(exc).__name__}: {exc})"
 
@@ -190,16 +170,14 @@ def _launch(x, weight, bias, out, groups: int, eps: float, silu: bool) -> None:
 
 def compile_kernels(x, w, b, out, groups: int, silu: bool) -> None:
     """Plan-time warm-up for these metadata (a no-op off CUDA or without a GPU)."""
-    if x.device.type != "cuda" or not torch.cuda.is_available() or \
-            why_not(x, w, b, out, groups, 1e-5) is not None:
+    if x.device.type != "cuda" or why_not(x, w, b, out, groups, 1e-5) is not None:
         return
     grid, ints, cl = _args(x.shape, x.stride, groups)
     if grid[0] == 0:
         return
-    kernel = _kernel()  # before taking the lock: the first call takes it to jit
-    with _jit_lock, torch.cuda.device(x.device):
-        kernel.warmup(x.dtype, w.dtype, b.dtype, out.dtype, *ints, 1e-5, SILU=bool(silu),
-                      CHANNELS_LAST=cl, BLOCK=BLOCK, num_warps=NUM_WARPS, grid=grid)
+    _warmup_on(x.device, _kernel, (x.dtype, w.dtype, b.dtype, out.dtype, *ints, 1e-5),
+               dict(SILU=bool(silu), CHANNELS_LAST=cl, BLOCK=BLOCK, num_warps=NUM_WARPS,
+                    grid=grid))
 
 
 class GroupNormSiluCUDA:
@@ -218,22 +196,12 @@ class GroupNormSiluCUDA:
         group_norm_silu_triton(x, w, b, out, groups=groups, eps=eps, silu=silu)
 
 
-class GroupNormCUDA:
+class GroupNormCUDA(GroupNormOpKernel):
     """The Triton kernel (``SILU=False``) for the op ``sd.group_norm.v1``: what :func:`why_not`
     takes with the node's contiguous output, i.e. dense NCHW x.  Workspace: none."""
 
     name = "group_norm_triton"
-    op = GROUP_NORM_OP
-
-    def supports(self, node) -> bool:
-        try:
-            if len(node.srcs) != 3:
-                return False
-            x, w, b = (s.meta for s in node.srcs)
-            return why_not(x, w, b, node.meta, node.params.get("groups"),
-                           node.params.get("eps")) is None
-        except Exception:  # never raise from supports: decline instead
-            return False
+    why_not = staticmethod(why_not)
 
     def compile(self, node) -> None:
         x, w, b = (s.meta for s in node.srcs)

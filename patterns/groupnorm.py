@@ -52,13 +52,15 @@ register one rule each.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 import fxbackend
 from fxbackend import TensorMeta
 
 __all__ = ["group_norm_silu_reference", "GroupNormSiluFusion", "ReferenceGroupNormSilu",
-           "memory_format_of", "GroupNorm", "GroupNormIdiom", "GROUP_NORM_OP"]
+           "memory_format_of", "layout_why_not", "GroupNormOpKernel", "GroupNorm", "GroupNormIdiom", "GROUP_NORM_OP"]
 
 GROUP_NORM = "aten.native_group_norm.default"
 GROUP_NORM_OP = "sd.group_norm.v1"
@@ -96,6 +98,34 @@ def memory_format_of(shape, stride) -> str | None:
         return "nchw"
     if dense((0, *range(2, nd), 1)):
         return "nhwc"
+    return None
+
+
+def layout_why_not(x, w, b, out, groups, eps) -> str | None:
+    """The checks every GroupNorm kernel shares (metadata only; the caller has checked that the
+    four are tensors on its device and x's dtype): out has x's dtype and shape, x has a channel
+    dim, contiguous ``[C]`` weight and bias of float32 or x's dtype, groups dividing C, a finite
+    eps >= 0, x dense NCHW or dense channels-last and out in the same layout."""
+    if out.dtype != x.dtype or tuple(out.shape) != tuple(x.shape):
+        return f"out {out.dtype}{list(out.shape)} is not x's dtype and shape"
+    if len(x.shape) < 2:
+        return f"x has {len(x.shape)} dims (N, C, ...)"
+    c = int(x.shape[1])
+    for name, mt in (("weight", w), ("bias", b)):
+        if mt.dtype not in (torch.float32, x.dtype):
+            return f"{name} dtype {mt.dtype} (float32 or x's {x.dtype})"
+        if tuple(mt.shape) != (c,) or (c > 1 and tuple(mt.stride) != (1,)):
+            return f"{name} is not a contiguous [{c}] vector"
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1 or c % groups:
+        return f"groups {groups!r} does not divide C={c}"
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0 or \
+            not math.isfinite(eps):
+        return f"eps {eps!r} (a finite float >= 0)"
+    fx, fo = memory_format_of(x.shape, x.stride), memory_format_of(out.shape, out.stride)
+    if fx is None:
+        return f"x strides {tuple(x.stride)} are neither dense NCHW nor channels-last"
+    if fo != fx:
+        return f"out layout {fo} differs from x's {fx}"
     return None
 
 
@@ -317,6 +347,24 @@ class GroupNormIdiom:
         if (p.get("N"), p.get("C"), p.get("HxW")) != (n, c, hw):
             return None  # sizes that are not x's own: not the plain group norm of x
         return get, {"groups": groups, "eps": float(eps)}
+
+
+class GroupNormOpKernel:
+    """Base of the kernels registered for ``sd.group_norm.v1``: ``supports`` asks the device's
+    ``why_not(x, w, b, out, groups, eps)`` (set as ``why_not`` on the subclass) about the node
+    with its contiguous output, and never raises."""
+
+    op = GROUP_NORM_OP
+
+    def supports(self, node) -> bool:
+        try:
+            if len(node.srcs) != 3:
+                return False
+            x, w, b = (s.meta for s in node.srcs)
+            return type(self).why_not(x, w, b, node.meta, node.params.get("groups"),
+                                      node.params.get("eps")) is None
+        except Exception:  # never raise from supports: decline instead
+            return False
 
 
 fxbackend.register_op(GroupNorm)

@@ -20,7 +20,7 @@ from fxbackend.patterns.groupnorm import (GROUP_NORM_OP, GroupNormSiluFusion,
                                           memory_format_of)
 
 from _rope_interp_check import check_result, run_checker
-from ext_util import compiled, set_outputs
+from ext_util import compiled, eager_and_compiled, rel_err, rule_on_top, set_outputs
 
 EPS = 1e-5
 # (x dtype, weight dtype, atol, rtol): float32 to ~1e-6 relative; 16-bit within one rounding
@@ -209,11 +209,8 @@ class _Resnet(torch.nn.Module):
 @pytest.fixture
 def ref_rule():
     """The rule with the torch implementation, above the numba one."""
-    r = GroupNormSiluFusion(ReferenceGroupNormSilu())
-    r.name, r.priority = "group_norm_silu_test", 100
-    fxbackend.register_fusion("cpu", r)
-    yield r
-    fxbackend.unregister_fusion("cpu", r)
+    with rule_on_top(GroupNormSiluFusion(ReferenceGroupNormSilu()), "group_norm_silu_test") as r:
+        yield r
 
 
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
@@ -453,12 +450,8 @@ def _unet_transformers(cfg) -> int:
 
 @pytest.mark.parametrize("family", ["unet", "flux", "sd3", "pixart"])
 def test_models_fire_count_and_match_eager(family):
-    model = models.build_model(family, "tiny")
-    inputs = models.make_inputs(family, "tiny")
-    with torch.no_grad():
-        ref = models.run_eager(model, inputs)
-        out = models.run_eager(torch.compile(model, backend="fxbackend"), inputs)
-    assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+    ref, out, _ = eager_and_compiled(family)
+    assert rel_err(out, ref) <= 1e-5
     s = fxbackend.stats()
     fired = s["fusions_by_rule"].get("group_norm_silu", 0)
     # the transformer models have no GroupNorm (LayerNorm / RMSNorm only); the tiny UNet
