@@ -57,15 +57,18 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
-def eager_and_compiled(family: str, size: str = "tiny") -> tuple:
+def eager_and_compiled(family: str, size: str = "tiny", dtype: torch.dtype = torch.float32,
+                       options: dict | None = None) -> tuple:
     """``(eager output, compiled output, model)``: the model ``family``/``size`` of
-    ``fxbackend.models`` run on its inputs eagerly, then through
-    ``torch.compile(backend="fxbackend")`` (which compiles on that call), without grad."""
-    model = fxbackend.models.build_model(family, size)
-    inputs = fxbackend.models.make_inputs(family, size)
+    ``fxbackend.models`` in ``dtype`` run on its inputs eagerly, then through
+    ``torch.compile(backend="fxbackend", options=options)`` (which compiles on that call),
+    without grad."""
+    model = fxbackend.models.build_model(family, size, dtype=dtype)
+    inputs = fxbackend.models.make_inputs(family, size, dtype=dtype)
     with torch.no_grad():
         ref = fxbackend.models.run_eager(model, inputs)
-        out = fxbackend.models.run_eager(torch.compile(model, backend="fxbackend"), inputs)
+        out = fxbackend.models.run_eager(
+            torch.compile(model, backend="fxbackend", options=options), inputs)
     return ref, out, model
 
 
