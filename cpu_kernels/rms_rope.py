@@ -3,10 +3,12 @@
 ``rms_rope`` fusion rule for "cpu" (:class:`RmsRopeCPU`).
 
 Maths (per row of ``x`` viewed as ``[rows, D]``; float32, ``Tn = rms_norm_out_dtype(x, w)``,
-``round`` = round to nearest even to Tn, the identity when Tn is float32)::
+``round`` = round to nearest even to Tn, the identity when Tn is float32; ``round_w`` to the
+weight's dtype; with the norm's ``weight_in_float`` the weight reaches the kernel as float32, so
+``round_w`` vanishes, and Tn is x's dtype: ``n = round_x(float(x) * r * float(w))``)::
 
     r      = 1 / sqrt(sum(float(x)^2) / D + float32(eps))        as sd.rms_norm.v1
-    n[e]   = round(round(float(x[e]) * r) * float(w[e]))          n: the norm, dtype Tn
+    n[e]   = round(round_w(float(x[e]) * r) * float(w[e]))        n: the norm, dtype Tn
     q      = n * cos + rotate(n) * sin   on the first n_rot        as sd.rope_apply.v1 on n
     q[e]   = n[e]                        for e >= n_rot
     out[e] = to_out(round(round(q[e]) * float32(scale)))          with a scale
@@ -79,11 +81,12 @@ def _store_tn(o, w, e, v):
     raise NotImplementedError("_store_tn is a numba helper: call it from a jitted kernel")
 
 
-def _rms_rope_kernel(x, w, cos, sin, out, vt, bt, d, n_rot, tile, bchunk, eps, scale,
+def _rms_rope_kernel(x, w, tn, cos, sin, out, vt, bt, d, n_rot, tile, bchunk, eps, scale,
                      has_scale, interleaved):
     """Tasks and rows as in rope's ``_rope_kernel`` (its ``_tasks``/``_task``/``_row_views``: a
     tile of cos rows by a chunk of the broadcast dims, b outer and v inner); per row: the norm
-    into ``nrm`` (Tn values), the rotation of its first n_rot features into ``rot``, then the
+    into ``nrm`` (Tn values: ``tn`` is an empty array of Tn, which every rounding follows;
+    Tn is the weight's dtype, or x's for ``weight_in_float`` with a float32 weight), the rotation of its first n_rot features into ``rot``, then the
     scale and the output."""
     ntasks, nv, nb, nbc = _tasks(vt, bt, tile, bchunk)
     for task in prange(ntasks):
@@ -96,7 +99,7 @@ def _rms_rope_kernel(x, w, cos, sin, out, vt, bt, d, n_rot, tile, bchunk, eps, s
                 xr, orow, cr, sr = _row_views(x, out, cos, sin, voff, j, bx, bo, d, n_rot)
                 r = _inv_rms(xr, d, eps)
                 for e in range(d):
-                    nrm[e] = _round_as(w, _normed(xr, w, r, e))
+                    nrm[e] = _round_as(tn, _normed(xr, w, r, e))
                 if interleaved:
                     _row_interleaved(nrm, cr, sr, rot, n_rot)
                 else:
@@ -104,13 +107,13 @@ def _rms_rope_kernel(x, w, cos, sin, out, vt, bt, d, n_rot, tile, bchunk, eps, s
                 for e in range(n_rot):
                     v = rot[e]
                     if has_scale:
-                        v = _round_as(w, v) * scale
-                    _store_tn(orow, w, e, v)
+                        v = _round_as(tn, v) * scale
+                    _store_tn(orow, tn, e, v)
                 for e in range(n_rot, d):
                     v = nrm[e]  # a Tn value
                     if has_scale:
                         v = v * scale
-                    _store_tn(orow, w, e, v)
+                    _store_tn(orow, tn, e, v)
 
 
 # -- launcher -----------------------------------------------------------------------------------
@@ -144,14 +147,15 @@ def why_not(x_meta: Any, w_meta: Any, cos_meta: Any, sin_meta: Any, out_dtype: A
 
 
 def _launch(lay, x, weight, cos, sin, out, eps: float, mode: str, n_rot: int,
-            scale: float | None) -> None:
+            scale: float | None, tn_dtype: torch.dtype | None = None) -> None:
     """Run the kernel for a layout from ``rope._layout_of(x, cos, sin, n_rot)`` (valid for
     x's, cos's and sin's strides; a plan can build it once at prepare time).  No checks."""
     if lay.spans[0] == 0:
         return
     fn = _jit()
     bchunk = _rope._bchunk(lay, _set_threads())
-    fn(_flat(x, lay.spans[0]), _flat(weight, weight.shape[0]), _flat(cos, lay.spans[1]),
+    tn = np.zeros(0, _NP_OF[tn_dtype or rms_norm_out_dtype(x.dtype, weight.dtype)])
+    fn(_flat(x, lay.spans[0]), _flat(weight, weight.shape[0]), tn, _flat(cos, lay.spans[1]),
        _flat(sin, lay.spans[2]), _flat(out, out.numel()), lay.vt, lay.bt, x.shape[-1], n_rot,
        lay.tile, bchunk, np.float32(eps), np.float32(1.0 if scale is None else scale),
        scale is not None, mode == "interleaved")
@@ -186,7 +190,8 @@ def rms_rope_cpu(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: 
 
 
 def compile_kernels(x_dtype: torch.dtype, w_dtype: torch.dtype, cos_dtype: torch.dtype,
-                    sin_dtype: torch.dtype, out_dtype: torch.dtype) -> None:
+                    sin_dtype: torch.dtype, out_dtype: torch.dtype,
+                    tn_dtype: torch.dtype | None = None) -> None:
     """Compile (or load from the disk cache) the kernel for these dtypes (both modes, with and
     without a scale: run-time arguments), by a call with no rows on exactly the types a launch
     passes.  Thread-safe (plans compile their nodes in parallel)."""
@@ -194,6 +199,7 @@ def compile_kernels(x_dtype: torch.dtype, w_dtype: torch.dtype, cos_dtype: torch
     t = np.zeros((0, 5), dtype=np.int64)
     with _compile_lock:  # see rope's compile_kernels
         fn(np.zeros(0, _NP_OF[x_dtype]), np.zeros(0, _NP_OF[w_dtype]),
+           np.zeros(0, _NP_OF[tn_dtype or rms_norm_out_dtype(x_dtype, w_dtype)]),
            np.zeros(0, _NP_OF[cos_dtype]), np.zeros(0, _NP_OF[sin_dtype]),
            np.zeros(0, _NP_OF[out_dtype]), t, t[:, :3].copy(), 2, 2, 1, 1, np.float32(1e-6),
            np.float32(1.0), True, True)
@@ -205,16 +211,25 @@ class RmsRopeCPU:
     per call from the tensors' strides (a few microseconds; the rule runs once per q/k)."""
 
     name = "rms_rope_cpu"
+    #: handles the norm's ``weight_in_float`` (torch.nn.RMSNorm's order): the weight goes to
+    #: the kernel as float32 and every rounding follows x's dtype
+    weight_in_float = True
 
     def why_not(self, x, w, cos, sin, out_dtype, mode, n_rot):
         return why_not(x, w, cos, sin, out_dtype, mode, n_rot)
 
-    def compile(self, x, w, cos, sin, out_dtype, mode, n_rot, scale):
-        compile_kernels(x.dtype, w.dtype, cos.dtype, sin.dtype, out_dtype)
+    def compile(self, x, w, cos, sin, out_dtype, mode, n_rot, scale, weight_in_float=False):
+        if weight_in_float:
+            compile_kernels(x.dtype, torch.float32, cos.dtype, sin.dtype, out_dtype, x.dtype)
+        else:
+            compile_kernels(x.dtype, w.dtype, cos.dtype, sin.dtype, out_dtype)
 
-    def run(self, x, w, cos, sin, out, *, eps, mode, n_rot, scale):
+    def run(self, x, w, cos, sin, out, *, eps, mode, n_rot, scale, weight_in_float=False):
+        tn = None
+        if weight_in_float:
+            w, tn = w.float(), x.dtype
         _launch(_rope._layout_of(x, cos, sin, n_rot), x, w, cos, sin, out, eps, mode, n_rot,
-                scale)
+                scale, tn)
 
 
 fxbackend.register_fusion("cpu", RmsRopeFusion(RmsRopeCPU()))

@@ -217,11 +217,13 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     return out
 
 
-def compile_kernels(x_dtype: torch.dtype, w_dtype: torch.dtype | None) -> None:
+def compile_kernels(x_dtype: torch.dtype, w_dtype: torch.dtype | None,
+                    out_dtype: torch.dtype | None = None) -> None:
     """Compile (or load from the disk cache) the kernel for these dtypes (``w_dtype`` None: no
-    weight), by a call with no rows on exactly the types a launch passes."""
+    weight; ``out_dtype`` None: the op's), by a call with no rows on exactly the types a launch
+    passes."""
     fn = _jit()
-    out_np = _NP_OF[rms_norm_out_dtype(x_dtype, w_dtype)]
+    out_np = _NP_OF[out_dtype or rms_norm_out_dtype(x_dtype, w_dtype)]
     w_np = np.float32 if w_dtype is None else _NP_OF[w_dtype]
     # rope's lock: numba launches from several plan-compiling threads at once must not overlap
     # on threading layers that are not thread-safe (see cpu_kernels/rope.py)
@@ -256,15 +258,20 @@ class RmsNormCPU:
             if _why_not(x, w, node.params.get("eps")) is not None:
                 return False
             m = node.meta
+            wif = node.params.get("weight_in_float", False)
             return isinstance(m, fxbackend.TensorMeta) and \
-                m.dtype == rms_norm_out_dtype(x.dtype, None if w is None else w.dtype) and \
+                m.dtype == rms_norm_out_dtype(x.dtype, None if w is None else w.dtype, wif) and \
                 tuple(m.shape) == tuple(x.shape) and _is_contiguous(m.shape, m.stride)
         except Exception:  # never raise from supports: decline instead
             return False
 
     def compile(self, node) -> None:
         w = node.srcs[1].meta.dtype if len(node.srcs) == 2 else None
-        compile_kernels(node.srcs[0].meta.dtype, w)
+        if node.params.get("weight_in_float", False):
+            # the launch passes the weight as float32 (below) and out has x's dtype
+            compile_kernels(node.srcs[0].meta.dtype, torch.float32, node.meta.dtype)
+        else:
+            compile_kernels(node.srcs[0].meta.dtype, w)
 
     def prepare(self, node):
         x = node.srcs[0].meta
@@ -277,6 +284,10 @@ class RmsNormCPU:
         if x.stride() != rows.x_stride:
             # the caller passed other strides than the plan's metadata: never read out of bounds
             rows = _rows(x.shape, x.stride())
+        if node.params.get("weight_in_float", False):
+            # (x * r * float(w)) rounded once to out's (x's) dtype: the kernel with a float32
+            # weight computes exactly that (no rounding to the weight's dtype in between)
+            w = w.float()
         _launch(rows, x, w, out, node.params["eps"])
 
 

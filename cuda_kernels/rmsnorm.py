@@ -225,8 +225,8 @@ class RmsNormCUDA:
         """CUDA tensors of float32/bfloat16/float16 on one device, concrete shapes, x's last
         stride 1, D <= MAX_D, at most MAX_LEAD_DIMS leading dims after merging.  Metadata only."""
         try:
-            if len(node.srcs) not in (1, 2):
-                return False
+            if len(node.srcs) not in (1, 2) or node.params.get("weight_in_float", False):
+                return False  # torch.nn.RMSNorm's rounding order: not this kernel's yet
             x, w = _metas(node)
             out = node.meta
             metas = [x, out] + ([w] if len(node.srcs) == 2 else [])

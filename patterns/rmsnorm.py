@@ -8,6 +8,10 @@ dtype rules of diffusers' ``RMSNorm`` (and of ``F.rms_norm`` in float32)::
     out = n.to(x.dtype)                                   no weight
     out = n.to(w.dtype) * w                               weight bf16/fp16 (w's dtype out)
     out = n * w                                           weight float32 (float32 out)
+    out = (n * float(w)).to(x.dtype)                      weight_in_float=True (any weight)
+
+``weight_in_float`` is the rounding order of ``torch.nn.RMSNorm`` / ``F.rms_norm`` on 16-bit
+inputs (their decomposition multiplies the weight in float32, then casts back to x's dtype).
 
 ``weight`` is 1-D (``[D]``).  x is float32, bf16 or fp16.  The output is contiguous.  Source:
 Zhang and Sennrich, "Root Mean Square Layer Normalization" (arXiv 1910.07467); diffusers
@@ -37,19 +41,23 @@ _X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _HALF = (torch.bfloat16, torch.float16)
 
 
-def rms_norm_out_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype | None) -> torch.dtype:
+def rms_norm_out_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype | None,
+                       weight_in_float: bool = False) -> torch.dtype:
     """The output dtype of ``sd.rms_norm.v1`` for these input dtypes (see the module docstring)."""
-    if w_dtype is None:
+    if w_dtype is None or weight_in_float:
         return x_dtype
     return w_dtype if w_dtype in _HALF else torch.float32
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                       weight_in_float: bool = False) -> torch.Tensor:
     """The meaning of ``sd.rms_norm.v1`` in plain torch."""
     var = x.float().pow(2).mean(-1, keepdim=True)
     n = x * torch.rsqrt(var + eps)
     if weight is None:
         return n.to(x.dtype).contiguous()
+    if weight_in_float:
+        return (n * weight.float()).to(x.dtype).contiguous()
     if weight.dtype in _HALF:
         n = n.to(weight.dtype)
     return (n * weight).contiguous()
@@ -67,7 +75,7 @@ class RmsNorm:
     """``sd.rms_norm.v1``: see the module docstring."""
 
     name = "sd.rms_norm.v1"
-    attrs = {"eps": float}
+    attrs = {"eps": float, "weight_in_float": (bool, False)}
 
     def infer_meta(self, srcs: list, attrs: dict) -> TensorMeta:
         if len(srcs) not in (1, 2):
@@ -90,14 +98,18 @@ class RmsNorm:
             if tuple(w.shape) != (x.shape[-1],):
                 raise ValueError(f"{self.name}: weight must be 1-D of x's last dim "
                                  f"({x.shape[-1]},), got shape {tuple(w.shape)}")
-        dtype = rms_norm_out_dtype(x.dtype, None if w is None else w.dtype)
+        wif = attrs.get("weight_in_float", False)
+        if wif and w is None:
+            raise ValueError(f"{self.name}: weight_in_float needs a weight")
+        dtype = rms_norm_out_dtype(x.dtype, None if w is None else w.dtype, wif)
         return TensorMeta(tuple(x.shape), _contiguous(tuple(x.shape)), dtype, x.device)
 
     def execute(self, ctx, node, state, inputs, out, workspace) -> None:
         """Reference execution (the op's native kernel on any device)."""
         x = inputs[0]
         w = inputs[1] if len(inputs) == 2 else None
-        out.copy_(rms_norm_reference(x, w, node.params["eps"]))
+        out.copy_(rms_norm_reference(x, w, node.params["eps"],
+                                     node.params.get("weight_in_float", False)))
 
 
 def _only_user(users: dict, node, user) -> bool:
@@ -137,9 +149,9 @@ class RmsNormIdiom:
             found = self._match(node, users)
             if found is None:
                 continue
-            last, srcs, eps = found
+            last, srcs, attrs = found
             try:
-                new = fxbackend.op_create(graph, RmsNorm.name, srcs, {"eps": eps}, after=last)
+                new = fxbackend.op_create(graph, RmsNorm.name, srcs, attrs, after=last)
             except (ValueError, TypeError):
                 continue
             if new.meta.dtype != last.meta.dtype or tuple(new.meta.shape) != tuple(last.meta.shape):
@@ -197,6 +209,13 @@ class RmsNormIdiom:
         mu = users.get(mul, [])
         if len(mu) == 1 and not mul.is_output:
             nxt = mu[0]
+            w = self._weight(nxt, mul, x)
+            back = users.get(nxt, []) if w is not None and not nxt.is_output else []
+            if w is not None and w.meta.dtype in _HALF and nxt.meta.dtype == torch.float32 and \
+                    len(back) == 1 and is_cast_to(back[0], x.meta.dtype) and \
+                    x.meta.dtype in _HALF:
+                # torch.nn.RMSNorm on 16-bit x: weight multiplied in float32, then cast back
+                return back[0], [x, w], {"eps": eps, "weight_in_float": True}
             cast = None
             if is_cast_to(nxt, torch.bfloat16) or is_cast_to(nxt, torch.float16):
                 cast = nxt
@@ -209,7 +228,7 @@ class RmsNormIdiom:
                 last = cast  # no weight: converted back to x's dtype
         if len(srcs) == 1 and last.meta.dtype != x.meta.dtype:
             return None
-        return last, srcs, eps
+        return last, srcs, {"eps": eps}
 
     @staticmethod
     def _weight(nxt, prev, x):
@@ -234,7 +253,7 @@ class RmsNormIdiom:
         eps = node.params.get("eps")
         if eps is None:
             return None  # torch's default eps depends on the dtype; keep the native op
-        return node, list(node.srcs[:2]), float(eps)
+        return node, list(node.srcs[:2]), {"eps": float(eps)}
 
 
 fxbackend.register_op(RmsNorm)

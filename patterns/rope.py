@@ -61,17 +61,19 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: 
 def rms_rope_reference(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor,
                        sin: torch.Tensor, eps: float, mode: str, n_rot: int,
                        scale: float | None = None,
-                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                       out_dtype: torch.dtype | None = None,
+                       weight_in_float: bool = False) -> torch.Tensor:
     """The fused chain ``sd.rms_norm.v1(x, weight) -> sd.rope_apply.v1 [-> * scale]
     [-> .to(out_dtype)]`` in plain torch, each step with its own rounding:
 
-        n = rms_norm_reference(x, weight, eps)        dtype Tn (rms_norm_out_dtype)
+        n = rms_norm_reference(x, weight, eps, weight_in_float)   dtype Tn (rms_norm_out_dtype)
         r = rope_reference(n, cos, sin, mode, n_rot)  dtype Tn, float32 maths
         r = r * scale                                  dtype Tn (float32 maths for 16-bit Tn)
         r = r.to(out_dtype)
     """
     from .rmsnorm import rms_norm_reference
-    r = rope_reference(rms_norm_reference(x, weight, eps), cos, sin, mode, n_rot)
+    r = rope_reference(rms_norm_reference(x, weight, eps, weight_in_float), cos, sin, mode,
+                       n_rot)
     if scale is not None:
         r = r * scale
     if out_dtype is not None:
@@ -353,7 +355,9 @@ class RmsRopeFusion:
     declines the range), optional ``compile(x, w, cos, sin, out_dtype, mode, n_rot, scale)``
     (plan time; metadata) and
     ``run(x, w, cos, sin, out, eps=, mode=, n_rot=, scale=)`` writing a contiguous ``out``
-    that overlaps no input.  ``cpu_kernels/rms_rope.py`` and ``cuda_kernels/rms_rope.py``
+    that overlaps no input.  A kernel with ``weight_in_float = True`` also takes a
+    ``weight_in_float=True`` keyword in ``compile`` and ``run`` (the norm's
+    ``torch.nn.RMSNorm`` order); the rule declines that norm for other kernels.  ``cpu_kernels/rms_rope.py`` and ``cuda_kernels/rms_rope.py``
     register one rule each.
 
     ``optimize`` makes the chain consecutive where the model interleaves q and k (Flux:
@@ -416,6 +420,9 @@ class RmsRopeFusion:
         norm, rope = chain[0], chain[1]
         x, w = norm.srcs
         _, cos, sin = rope.srcs
+        if norm.params.get("weight_in_float", False) and \
+                not getattr(self.impl, "weight_in_float", False):
+            return 0, f"{self.impl.name}: no kernel for the norm's weight_in_float order yet"
         why = self.impl.why_not(x.meta, w.meta, cos.meta, sin.meta, chain[-1].meta.dtype,
                                 rope.params["mode"], rope.params["n_rot"])
         return (0, f"{self.impl.name}: {why}") if why is not None else len(chain)
@@ -451,14 +458,16 @@ class RmsRopeFusion:
         return dict(x=norm.srcs[0], w=norm.srcs[1], cos=rope.srcs[1], sin=rope.srcs[2],
                     dst=last.srcs[0] if last.op == "aten.copy_.default" else None,
                     eps=norm.params["eps"], mode=rope.params["mode"],
+                    weight_in_float=norm.params.get("weight_in_float", False),
                     n_rot=rope.params["n_rot"], scale=scale, out_dtype=last.meta.dtype)
 
     def compile(self, node) -> None:
         comp = getattr(self.impl, "compile", None)
         if comp is not None:
             p = self._parts(node)
+            extra = {"weight_in_float": True} if p["weight_in_float"] else {}
             comp(p["x"].meta, p["w"].meta, p["cos"].meta, p["sin"].meta, p["out_dtype"],
-                 p["mode"], p["n_rot"], p["scale"])
+                 p["mode"], p["n_rot"], p["scale"], **extra)
 
     def prepare(self, node):
         p = self._parts(node)
@@ -476,6 +485,8 @@ class RmsRopeFusion:
         value = dict(zip(node.srcs, inputs))
         x, w, cos, sin = (value[p[k]] for k in ("x", "w", "cos", "sin"))
         kw = dict(eps=p["eps"], mode=p["mode"], n_rot=p["n_rot"], scale=p["scale"])
+        if p["weight_in_float"]:
+            kw["weight_in_float"] = True
         if p["dst"] is None:
             self.impl.run(x, w, cos, sin, out, **kw)
             return
@@ -489,12 +500,14 @@ class ReferenceRmsRope:
     as a model for device kernels); not registered."""
 
     name = "rms_rope_reference"
+    weight_in_float = True
 
     def why_not(self, x, w, cos, sin, out_dtype, mode, n_rot):
         return None
 
-    def run(self, x, w, cos, sin, out, *, eps, mode, n_rot, scale):
-        out.copy_(rms_rope_reference(x, w, cos, sin, eps, mode, n_rot, scale, out.dtype))
+    def run(self, x, w, cos, sin, out, *, eps, mode, n_rot, scale, weight_in_float=False):
+        out.copy_(rms_rope_reference(x, w, cos, sin, eps, mode, n_rot, scale, out.dtype,
+                                     weight_in_float))
 
 
 fxbackend.register_op(RopeApply)

@@ -246,3 +246,50 @@ def test_golden_fused_step():
 %49 = aten.transpose.int(%55) {dim0=1, dim1=2} : f32[1,2,6,8]{96,8,16,1}  # view_of=%55 output  [native]
 fused rms_rope: %50, %52
 fused rms_rope: %51, %53""")
+
+
+# -- torch.nn.RMSNorm on 16-bit inputs: the weight multiplied in float32 (weight_in_float) -------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_torch_rmsnorm_16bit_becomes_the_op_and_stays_exact(dtype):
+    norm = torch.nn.RMSNorm(16, eps=1e-6).to(dtype)
+    norm.weight.data = (torch.rand(16, generator=torch.Generator().manual_seed(2)) + 0.5).to(dtype)
+    x = torch.randn(3, 5, 16).to(dtype)
+    with torch.no_grad():
+        out = torch.compile(lambda t: norm(t) * 2, backend="fxbackend")(x)
+        ref = norm(x) * 2
+    assert torch.equal(out, ref)  # (x.float() * r * w.float()).to(x.dtype), rounded once
+    s = fxbackend.stats()
+    assert s["rewrites_by_rule"] == {"rms_norm": 1}
+    assert s["steps_by_kernel"]["rms_norm_cpu"] == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_kernel_weight_in_float_matches_the_reference(dtype):
+    from fxbackend.cpu_kernels.rms_rope import RmsRopeCPU
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 13, 3, 18, generator=g).to(dtype)
+    w = (torch.rand(18, generator=g) + 0.5).to(dtype)
+    cos, sin = torch.randn(13, 1, 18, generator=g), torch.randn(13, 1, 18, generator=g)
+    other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+    kernel = RmsRopeCPU()
+    for mode in ("interleaved", "split_half"):
+        for scale, out_dtype in ((None, dtype), (0.5, other)):
+            out = torch.empty(x.shape, dtype=out_dtype)
+            kernel.compile(x, w, cos, sin, out_dtype, mode, 18, scale, weight_in_float=True)
+            kernel.run(x, w, cos, sin, out, eps=1e-6, mode=mode, n_rot=18, scale=scale,
+                       weight_in_float=True)
+            want = rms_rope_reference(x, w, cos, sin, 1e-6, mode, 18, scale, out_dtype, True)
+            # every rounding of the chain in place; the sum of squares in the kernel's order
+            # may move one element by one unit in the last place
+            assert (out == want).float().mean().item() >= 0.99
+            torch.testing.assert_close(out, want, rtol=1.6e-2, atol=1.6e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_flux_fuses_q_and_k_with_torch_rmsnorm(dtype):
+    ref, out, model = eager_and_compiled("flux", dtype=dtype)
+    assert torch.equal(out, ref)
+    s = fxbackend.stats()
+    assert s["rewrites_by_rule"] == {"rope": 4, "rms_norm": 6}
+    assert s["fusions_by_rule"]["rms_rope"] == 2 * model.config.num_single_layers
