@@ -232,15 +232,6 @@ def compile_kernels(x_dtype: torch.dtype, w_dtype: torch.dtype | None,
            np.zeros((0, 3), np.int64), 2, np.float32(1e-6), w_dtype is not None)
 
 
-def _is_contiguous(shape, stride) -> bool:
-    acc = 1
-    for n, st in zip(reversed(tuple(shape)), reversed(tuple(stride))):
-        if n != 1 and st != acc:
-            return False
-        acc *= n
-    return True
-
-
 class RmsNormCPU:
     """The numba CPU kernel for ``sd.rms_norm.v1``: float32/bf16/fp16 ``x`` with any leading
     strides and unit feature stride, no weight or a contiguous float32/bf16/fp16 ``[D]``
@@ -261,7 +252,7 @@ class RmsNormCPU:
             wif = node.params.get("weight_in_float", False)
             return isinstance(m, fxbackend.TensorMeta) and \
                 m.dtype == rms_norm_out_dtype(x.dtype, None if w is None else w.dtype, wif) and \
-                tuple(m.shape) == tuple(x.shape) and _is_contiguous(m.shape, m.stride)
+                tuple(m.shape) == tuple(x.shape) and m.is_contiguous
         except Exception:  # never raise from supports: decline instead
             return False
 

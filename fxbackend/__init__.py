@@ -11,7 +11,7 @@ from .dynamo import compile_fx_graph, explain, fxbackend_backend
 from .executor import CompiledGraph, ExecContext, Plan
 from .extensions import load_extensions
 from .fusion import graph_delay, register_fusion, unregister_fusion
-from .ir import Graph, Node, ScalarMeta, TensorMeta
+from .ir import Graph, Node, ScalarMeta, TensorMeta, contiguous_strides
 from .ops import get_op, op_create, register_op, unregister_op
 from .options import Options, parse_options
 from .rewrite import register_rewrite, replace_uses, unregister_rewrite
@@ -20,11 +20,12 @@ from .registry import (register_kernel, select_kernel, supports_native_op, suppo
 from .stats import reset_stats, stats
 
 __all__ = ["fxbackend_backend", "compile_fx_graph", "explain", "CompiledGraph", "Plan",
-           "ExecContext", "Graph", "Node", "TensorMeta", "ScalarMeta", "Options",
-           "parse_options", "register_op", "unregister_op", "get_op", "op_create",
+           "ExecContext", "Graph", "Node", "TensorMeta", "ScalarMeta", "contiguous_strides",
+           "Options", "parse_options", "register_op", "unregister_op", "get_op", "op_create",
            "register_kernel", "unregister_kernel", "select_kernel", "supports_op",
            "supports_native_op", "register_fusion", "unregister_fusion", "graph_delay",
-           "register_rewrite", "unregister_rewrite", "replace_uses", "load_extensions", "services", "stats", "reset_stats", "backend"]
+           "register_rewrite", "unregister_rewrite", "replace_uses", "load_extensions",
+           "services", "stats", "reset_stats", "backend"]
 
 #: the Dynamo backend callable (also registered by name through the entry point)
 backend = fxbackend_backend

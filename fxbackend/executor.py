@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import torch
 
 from . import registry, stats
-from .ir import Graph, Node, ScalarMeta, TensorMeta, storage_root
+from .ir import Graph, Node, ScalarMeta, TensorMeta, contiguous_strides, storage_root
 from .lower import SYM_OPS
 from .memory import MemoryPlan, plan_memory
 from .fusion import FusionReport, apply_fusions
@@ -34,14 +34,6 @@ __all__ = ["CompiledGraph", "Plan", "ExecContext", "concretize", "instantiate"]
 
 #: the op of copies the scheduler inserts to run a node on another device
 _COPY_OP = "fxb.copy_device.v1"
-
-
-def _contiguous_strides(shape: Sequence[int]) -> tuple:
-    strides, acc = [], 1
-    for size in reversed(shape):
-        strides.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 _PLAN_TIME_SCALAR_OPS = {"aten.sym_size.int", "aten.sym_stride.int", "aten.sym_numel.default",
@@ -433,7 +425,7 @@ class Plan:
         for s in n.srcs:
             m = self.metas[s]
             c = g.new_node(_COPY_OP, [s], {"device": "cpu"},
-                           TensorMeta(m.shape, _contiguous_strides(m.shape), m.dtype, cpu))
+                           TensorMeta(m.shape, contiguous_strides(m.shape), m.dtype, cpu))
             g.insert(g.nodes.index(n), c)
             self.metas[c] = c.meta
             kernels[c] = registry.NATIVE

@@ -20,7 +20,8 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-__all__ = ["TensorMeta", "ScalarMeta", "Node", "Graph", "storage_root", "format_node"]
+__all__ = ["TensorMeta", "ScalarMeta", "Node", "Graph", "storage_root", "format_node",
+           "contiguous_strides"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +36,16 @@ class TensorMeta:
     dtype: torch.dtype
     device: torch.device
     storage_offset: Any = 0
+
+    @staticmethod
+    def contiguous(shape: Sequence, dtype: torch.dtype, device: torch.device) -> "TensorMeta":
+        """Metadata of a contiguous tensor of ``shape`` (what a custom op's output must be)."""
+        return TensorMeta(tuple(shape), contiguous_strides(shape), dtype, device)
+
+    @property
+    def is_contiguous(self) -> bool:
+        """Row-major dense (strides of size-1 dims are ignored, as torch does)."""
+        return _is_contiguous(self.shape, self.stride)
 
     @staticmethod
     def of(t: torch.Tensor) -> "TensorMeta":
@@ -278,6 +289,16 @@ def _expr(v: Any) -> Any:
             return int(expr)
         return expr
     return int(v)
+
+
+def contiguous_strides(shape: Sequence) -> tuple:
+    """Row-major strides of ``shape``, as torch gives a contiguous tensor (a size-0 dim counts
+    as 1)."""
+    strides, acc = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= max(size, 1) if type(size) is int else size
+    return tuple(reversed(strides))
 
 
 def _is_contiguous(shape: tuple, stride: tuple) -> bool:

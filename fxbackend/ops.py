@@ -16,7 +16,8 @@ only).  Optional capabilities, found by presence:
 
 Contract of a custom node: explicit tensor inputs (``srcs``); attributes are small plain values
 copied into the node (a tensor an op needs is a source, never an attribute); one contiguous,
-out-of-place output of an existing dtype.
+out-of-place output of an existing dtype (``TensorMeta.contiguous(shape, dtype, device)`` builds
+its metadata).
 """
 from __future__ import annotations
 

@@ -83,15 +83,8 @@ def _act_of(n) -> str | None:
     return None
 
 
-def _contiguous(m) -> bool:
-    if not isinstance(m, TensorMeta):
-        return False
-    expect, s = [], 1
-    for d in reversed(m.shape):
-        expect.append(s)
-        s *= int(d)
-    expect.reverse()
-    return all(int(d) == 1 or int(a) == int(b) for d, a, b in zip(m.shape, m.stride, expect))
+def _dense(m) -> bool:
+    return isinstance(m, TensorMeta) and m.is_contiguous
 
 
 def _numel(m) -> int:
@@ -140,11 +133,11 @@ class _LinearRule:
         g = nodes[i]
         if g.op not in _GEMMS or not isinstance(g.meta, TensorMeta) or len(g.meta.shape) != 2:
             return None
-        if g.meta.dtype not in _DTYPES or not _contiguous(g.meta):
+        if g.meta.dtype not in _DTYPES or not _dense(g.meta):
             return None
         k, prev = i + 1, g
         while k < len(nodes) and nodes[k].op in _VIEWS and nodes[k].srcs == [prev] and \
-                _contiguous(nodes[k].meta) and int(nodes[k].meta.shape[-1]) == \
+                _dense(nodes[k].meta) and int(nodes[k].meta.shape[-1]) == \
                 int(g.meta.shape[-1]) and _numel(nodes[k].meta) == _numel(g.meta):
             prev = nodes[k]
             k += 1
@@ -154,7 +147,7 @@ class _LinearRule:
     def _is_clone(n, prev) -> bool:
         return n.op == "aten.clone.default" and n.srcs == [prev] and \
             n.params.get("memory_format") in (None, torch.contiguous_format) and \
-            _contiguous(n.meta) and n.meta.dtype == prev.meta.dtype
+            _dense(n.meta) and n.meta.dtype == prev.meta.dtype
 
     def _decide(self, chain, gated: bool) -> int | tuple:
         g = chain[0]
@@ -227,7 +220,7 @@ class LinearActFusion(_LinearRule):
         if k >= len(nodes):
             return 0
         a = nodes[k]
-        if _act_of(a) is None or a.srcs != [prev] or not _contiguous(a.meta) or \
+        if _act_of(a) is None or a.srcs != [prev] or not _dense(a.meta) or \
                 a.meta.dtype != g.meta.dtype:
             return 0
         chain = nodes[i:k + 1]
@@ -277,7 +270,7 @@ class LinearGluFusion(_LinearRule):
         if mul.op != "aten.mul.Tensor" or set(mul.srcs) != {a, other} or len(mul.srcs) != 2 or \
                 mul.params or not isinstance(mul.meta, TensorMeta) or \
                 mul.meta.dtype != g.meta.dtype or \
-                tuple(mul.meta.shape) != tuple(a.meta.shape) or not _contiguous(mul.meta):
+                tuple(mul.meta.shape) != tuple(a.meta.shape) or not _dense(mul.meta):
             return 0
         end = k + 5
         if end < len(nodes) and self._is_clone(nodes[end], mul) and \

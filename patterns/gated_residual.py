@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import torch
 
 import fxbackend
-from fxbackend import TensorMeta
+from fxbackend import TensorMeta, contiguous_strides
 
 __all__ = ["gated_residual_reference", "GatedResidualFusion", "ReferenceGatedResidual",
            "DTYPES", "LINEAR_OPS", "EpilogueLayout", "epilogue_layout", "epilogue_why_not"]
@@ -171,15 +171,6 @@ def _span(shape, stride) -> int:
 
 
 
-def _contiguous(m: TensorMeta) -> bool:
-    acc = 1
-    for size, stride in reversed(list(zip(m.shape, m.stride))):
-        if size != 1 and stride != acc:
-            return False
-        acc *= size
-    return True
-
-
 def _broadcasts(shape: tuple, target: tuple) -> bool:
     if len(shape) > len(target):
         return False
@@ -199,7 +190,7 @@ def _is_passthrough(n, prev) -> bool:
     contiguous tensor, or a clone, with a contiguous result."""
     m, pm = _tensor(n), _tensor(prev)
     if m is None or pm is None or n.srcs != [prev] or m.dtype != pm.dtype or \
-            m.numel != pm.numel or not _contiguous(m) or not _contiguous(pm):
+            m.numel != pm.numel or not m.is_contiguous or not pm.is_contiguous:
         return False
     if n.op == "aten.clone.default":
         return n.inplace_of is None and n.view_of is None and tuple(m.shape) == tuple(pm.shape)
@@ -285,7 +276,7 @@ class GatedResidualFusion:
     @staticmethod
     def _starts(n) -> bool:
         m = _tensor(n)
-        return n.op in LINEAR_OPS and m is not None and len(m.shape) == 2 and _contiguous(m) \
+        return n.op in LINEAR_OPS and m is not None and len(m.shape) == 2 and m.is_contiguous \
             and len(n.srcs) == (3 if n.op == "aten.addmm.default" else 2)
 
     def _chain(self, lin, next_of) -> list | None:
@@ -333,7 +324,7 @@ class GatedResidualFusion:
     def _why_not(self, chain: list) -> str | None:
         p = self._parts(chain)
         y = dataclasses.replace(chain[0].meta, shape=p.y_shape,
-                                stride=_contiguous_strides(p.y_shape))
+                                stride=contiguous_strides(p.y_shape))
         metas = {"the linear": chain[0].meta, "the gate": p.gate.meta,
                  "the residual": p.residual.meta, "the output": p.out_meta}
         dtypes = {m.dtype for m in metas.values()}
@@ -401,9 +392,9 @@ class GatedResidualFusion:
         p = self._parts(node.annotations["fused"])
         lin = p.linear
         m, n = lin.meta.shape
-        in_place = _contiguous(node.meta)
+        in_place = node.meta.is_contiguous
         y_meta = dataclasses.replace(lin.meta, shape=p.y_shape,
-                                     stride=_contiguous_strides(p.y_shape))
+                                     stride=contiguous_strides(p.y_shape))
         kw = {k: lin.params[k] for k in ("beta", "alpha") if k in lin.params}
         return dict(parts=p, mn=(int(m), int(n)), in_place=in_place, y_meta=y_meta, gemm_kw=kw,
                     nbytes=int(m) * int(n) * node.meta.itemsize)
@@ -434,14 +425,6 @@ class GatedResidualFusion:
         else:
             torch.addmm(gemm_in[0], x, w, out=y2d, **st["gemm_kw"])
         self.impl.run(y2d.view(p.y_shape), gate, res, out, scale_op=p.scale_op, scale=p.scale)
-
-
-def _contiguous_strides(shape: tuple) -> tuple:
-    strides, acc = [], 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= s
-    return tuple(reversed(strides))
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:

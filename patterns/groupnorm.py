@@ -240,14 +240,6 @@ class ReferenceGroupNormSilu:
 
 # -- GroupNorm alone: the op sd.group_norm.v1 and its rewrite -------------------------------------
 
-def _contiguous(shape: tuple) -> tuple:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= max(int(n), 1)
-    return tuple(reversed(strides))
-
-
 class GroupNorm:
     """``sd.group_norm.v1(x, weight, bias) {groups, eps}``: ``native_group_norm(x, weight, bias,
     N, C, HxW, groups, eps)[0]`` (see the module docstring).  x is ``[N, C, ...]`` (float32,
@@ -275,7 +267,7 @@ class GroupNorm:
                                  f"{m.dtype}{list(m.shape)}")
         if not attrs["eps"] >= 0:
             raise ValueError(f"{self.name}: eps must be >= 0, got {attrs['eps']}")
-        return TensorMeta(tuple(x.shape), _contiguous(tuple(x.shape)), x.dtype, x.device)
+        return TensorMeta.contiguous(x.shape, x.dtype, x.device)
 
     def execute(self, ctx, node, state, inputs, out, workspace) -> None:
         """Reference execution (the op's native kernel on any device)."""

@@ -49,7 +49,7 @@ import torch
 import fxbackend
 from fxbackend import TensorMeta
 
-from .rmsnorm import RmsNorm, _contiguous, rms_norm_reference
+from .rmsnorm import RmsNorm, rms_norm_reference
 
 __all__ = ["modulation_reference", "ModulationFusion", "ReferenceModulation", "NORMS",
            "expanded_meta"]
@@ -221,7 +221,7 @@ class ModulationFusion:
                 ", ".join(str(m.dtype).replace("torch.", "") for m in metas) + ")"
         if tuple(out.shape) != tuple(x.shape) or tuple(ch["mul"].meta.shape) != tuple(x.shape):
             return f"scale/shift broadcast x {tuple(x.shape)} to {tuple(out.shape)}"
-        if tuple(out.stride) != _contiguous(tuple(out.shape)):
+        if not out.is_contiguous:
             return f"the output is not contiguous (strides {tuple(out.stride)})"
         if ch["add_c"] is not None and not _viewable(ch["s_src"].meta, tuple(ch["s_op"].meta.shape)):
             return "the scale's views are not a reshape of its storage"

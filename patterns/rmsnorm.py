@@ -63,14 +63,6 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     return (n * weight).contiguous()
 
 
-def _contiguous(shape: tuple) -> tuple:
-    strides, acc = [], 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= max(int(s), 1)
-    return tuple(reversed(strides))
-
-
 class RmsNorm:
     """``sd.rms_norm.v1``: see the module docstring."""
 
@@ -102,7 +94,7 @@ class RmsNorm:
         if wif and w is None:
             raise ValueError(f"{self.name}: weight_in_float needs a weight")
         dtype = rms_norm_out_dtype(x.dtype, None if w is None else w.dtype, wif)
-        return TensorMeta(tuple(x.shape), _contiguous(tuple(x.shape)), dtype, x.device)
+        return TensorMeta.contiguous(x.shape, dtype, x.device)
 
     def execute(self, ctx, node, state, inputs, out, workspace) -> None:
         """Reference execution (the op's native kernel on any device)."""

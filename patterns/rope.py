@@ -24,7 +24,7 @@ import torch
 import fxbackend
 from fxbackend import TensorMeta
 
-from .rmsnorm import RmsNorm, _contiguous, is_cast_to
+from .rmsnorm import RmsNorm, is_cast_to
 
 RmsNormName = RmsNorm.name
 
@@ -113,7 +113,7 @@ class RopeApply:
             if not _broadcasts(tuple(m.shape), want):
                 raise ValueError(f"{self.name}: {label} of shape {tuple(m.shape)} does not "
                                  f"broadcast to {want} (x's rows by n_rot={n_rot})")
-        return TensorMeta(tuple(x.shape), _contiguous(tuple(x.shape)), x.dtype, x.device)
+        return TensorMeta.contiguous(x.shape, x.dtype, x.device)
 
     def execute(self, ctx, node, state, inputs, out, workspace) -> None:
         """Reference execution (the op's native kernel on any device)."""
@@ -142,7 +142,7 @@ class RopeTables:
             raise ValueError(f"{self.name}: freqs must be a complex64 tensor with a feature "
                              f"dimension, got {f.dtype} of shape {tuple(f.shape)}")
         shape = tuple(f.shape[:-1]) + (2 * f.shape[-1],)
-        return TensorMeta(shape, _contiguous(shape), torch.float32, f.device)
+        return TensorMeta.contiguous(shape, torch.float32, f.device)
 
     def execute(self, ctx, node, state, inputs, out, workspace) -> None:
         """Reference execution (the op's native kernel on any device)."""

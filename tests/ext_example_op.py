@@ -27,14 +27,6 @@ def reference(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     return scale * torch.tanh(x)
 
 
-def _contiguous_strides(shape: tuple) -> tuple:
-    strides, acc = [], 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= s
-    return tuple(reversed(strides))
-
-
 class ScaledTanh:
     """The op: name, attribute schema, metadata inference and a reference ``execute``.
 
@@ -47,7 +39,7 @@ class ScaledTanh:
 
     def infer_meta(self, srcs: list, attrs: dict) -> TensorMeta:
         (x,) = srcs
-        return TensorMeta(tuple(x.shape), _contiguous_strides(x.shape), x.dtype, x.device)
+        return TensorMeta.contiguous(x.shape, x.dtype, x.device)
 
     def execute(self, ctx, node, state, inputs, out, workspace) -> None:
         # the reference implementation doubles as the op's native kernel on any device

@@ -23,20 +23,12 @@ import torch
 
 import fxbackend
 import fxbackend.models
-from fxbackend import Graph, Node, TensorMeta
+from fxbackend import Graph, Node, TensorMeta, contiguous_strides
 from fxbackend import fusion as _fusion
 from fxbackend import ops as _ops
 from fxbackend import registry as _registry
 
 CPU = torch.device("cpu")
-
-
-def contiguous_strides(shape: Sequence[int]) -> tuple:
-    strides, acc = [], 1
-    for s in reversed(tuple(shape)):
-        strides.append(acc)
-        acc *= s
-    return tuple(reversed(strides))
 
 
 def contiguous_meta(shape: Sequence[int], dtype: torch.dtype = torch.float32,
