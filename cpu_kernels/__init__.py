@@ -1,3 +1,9 @@
 """fxbackend.cpu_kernels: numba CPU kernels, one module per pattern family."""
 from . import (activation, gated_residual, groupnorm, modulation, rms_rope, rmsnorm,  # noqa: F401
                rope, scale_cast)
+
+import fxbackend as _fxb  # noqa: E402
+
+from . import _numba  # noqa: E402
+
+_fxb.services.register_warm_up("cpu", "numba", _numba.warm_up)

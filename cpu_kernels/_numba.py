@@ -29,7 +29,7 @@ import tempfile
 import threading
 from typing import Any, Callable
 
-__all__ = ["numba_cache_dir", "import_numba", "once", "njit", "inline", "reassoc"]
+__all__ = ["numba_cache_dir", "import_numba", "once", "njit", "inline", "reassoc", "warm_up"]
 
 #: the options of every kernel: parallel, cached on disk, strict IEEE float32 (no FMA
 #: contraction, no reordering: ``fastmath=False``), releasing the GIL
@@ -119,3 +119,24 @@ def reassoc(*fns: Callable) -> None:
     for fn in fns:
         overload(fn, jit_options={"fastmath": {"reassoc"}}, strict=False)(
             (lambda f: lambda *args: f)(fn))
+
+
+def _probe_kernel(a):  # pragma: no cover - compiled by numba
+    s = 0.0
+    for i in prange(a.shape[0]):
+        s += a[i]
+    return s
+
+
+prange = range  # swapped for numba.prange by ``_probe``'s getter, as in every kernel module
+_probe = once(globals(), lambda numba: njit(_probe_kernel))
+
+
+def warm_up() -> None:
+    """Pay numba's one-time start-up in this process: its import (about 0.15 s here) and the
+    set-up of its JIT and parallel runtime on the first kernel it loads (about 0.17 s), by
+    loading (or, with a cold cache, compiling once) a tiny parallel kernel with the options of
+    every kernel.  Registered as the CPU warm-up of ``fxbackend.warm_up``."""
+    import numpy as np
+    with _lock:
+        _probe()(np.zeros(1, np.float32))

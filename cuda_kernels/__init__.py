@@ -2,3 +2,15 @@
 
 from . import (activation, gated_residual, groupnorm, modulation, rms_rope, rmsnorm,  # noqa: F401
                rope, scale_cast)
+
+
+def _import_triton() -> None:
+    """Triton's import (its one-time start-up here; kernels still compile when a plan needs
+    them)."""
+    import triton  # noqa: F401
+    import triton.language  # noqa: F401
+
+
+import fxbackend as _fxb  # noqa: E402
+
+_fxb.services.register_warm_up("cuda", "triton", _import_triton)

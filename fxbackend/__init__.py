@@ -17,6 +17,7 @@ from .options import Options, parse_options
 from .rewrite import register_rewrite, replace_uses, unregister_rewrite
 from .registry import (register_kernel, select_kernel, supports_native_op, supports_op,
                        unregister_kernel)
+from .services import warm_up
 from .stats import reset_stats, stats
 
 __all__ = ["fxbackend_backend", "compile_fx_graph", "explain", "CompiledGraph", "Plan",
@@ -25,7 +26,7 @@ __all__ = ["fxbackend_backend", "compile_fx_graph", "explain", "CompiledGraph", 
            "register_kernel", "unregister_kernel", "select_kernel", "supports_op",
            "supports_native_op", "register_fusion", "unregister_fusion", "graph_delay",
            "register_rewrite", "unregister_rewrite", "replace_uses", "load_extensions",
-           "services", "stats", "reset_stats", "backend"]
+           "services", "stats", "reset_stats", "backend", "warm_up"]
 
 #: the Dynamo backend callable (also registered by name through the entry point)
 backend = fxbackend_backend

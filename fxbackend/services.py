@@ -6,6 +6,9 @@
 - :func:`cuda_context`: the device index and current stream a kernel must use.
 - :func:`cuda_blas`: the current stream's cuBLAS handle.  Borrowed: never retain it, destroy it
   or change its settings (math mode, workspace, stream).
+- :func:`register_warm_up` / :func:`warm_up`: one-time start-up costs of the runtimes kernels
+  use (numba's import and JIT set-up, Triton's import), paid when the user chooses (a server's
+  start-up) instead of inside the first compiled call.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 __all__ = ["cpu_parallel", "cuda_context", "cuda_blas", "Cancelled", "CancelToken",
-           "current_token", "running"]
+           "current_token", "running", "register_warm_up", "warm_up"]
 
 
 class Cancelled(RuntimeError):
@@ -152,3 +155,44 @@ def cuda_blas() -> int:
     if not torch.cuda.is_available():
         raise RuntimeError("cuda_blas(): CUDA is not available on this machine")
     return torch.cuda.current_blas_handle()
+
+
+# device type -> {name: fn}; a dict keeps registration order and makes re-registration idempotent
+_warm_ups: dict[str, dict[str, Callable[[], Any]]] = {}
+_warm_lock = threading.Lock()
+
+
+def register_warm_up(device: str, name: str, fn: Callable[[], Any]) -> None:
+    """Register ``fn()``, the one-time start-up of a kernel runtime on ``device`` ("cpu",
+    "cuda"), under ``name`` (registering a name again replaces its function).  ``fn`` must be
+    idempotent and cheap after its first call; it runs only when :func:`warm_up` is called
+    (kernels never rely on it: each still initialises what it needs when it compiles)."""
+    if not isinstance(device, str) or not device:
+        raise ValueError(f"register_warm_up: device must be a device type such as 'cpu' or "
+                         f"'cuda', got {device!r}")
+    if not callable(fn):
+        raise TypeError(f"register_warm_up({device!r}, {name!r}): fn must be callable, got "
+                        f"{type(fn).__name__}")
+    with _warm_lock:
+        _warm_ups.setdefault(device, {})[name] = fn
+
+
+def warm_up(*devices: str) -> dict[str, float]:
+    """Pay the registered one-time start-up costs now, for ``devices`` (default: "cpu", and
+    "cuda" when CUDA is available), e.g. at a server's start-up so that the first compiled call
+    does not carry them.  Returns ``{"device/name": seconds}`` for each warm-up run.  Optional:
+    without it the same costs land on the first call that needs them."""
+    if not devices:
+        devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+    import time
+    spent: dict[str, float] = {}
+    for dev in devices:
+        if not isinstance(dev, str):
+            raise ValueError(f"warm_up: devices are device types such as 'cpu', got {dev!r}")
+        with _warm_lock:
+            fns = list(_warm_ups.get(dev, {}).items())
+        for name, fn in fns:
+            t0 = time.perf_counter()
+            fn()
+            spent[f"{dev}/{name}"] = time.perf_counter() - t0
+    return spent

@@ -19,7 +19,9 @@ What it measures, for every selected model config of :data:`fxbackend.models.MOD
 
 Everything runs under ``torch.no_grad()``.  Before anything is timed, every selected backend
 compiles and runs a trivial function once, so Dynamo's (and each backend's) one-time import and
-initialisation cost does not land on the first model.  Inductor runs with a cold cache: a fresh
+initialisation cost does not land on the first model; for fxbackend that includes
+``fxbackend.warm_up()``, the start-up of its kernel runtimes (numba's import and JIT set-up on
+the CPU, about 0.3 s per process), which a server calls once at start-up.  Inductor runs with a cold cache: a fresh
 temporary ``TORCHINDUCTOR_CACHE_DIR`` for the whole run (set before torch is imported, removed
 at exit); ``--inductor-warm`` keeps the default (or the environment's) cache instead.
 
@@ -30,7 +32,9 @@ processes share one fresh, empty kernel-cache folder (``NUMBA_CACHE_DIR`` and
 Dynamo's ``eager`` backend (untimed), then times aot_eager's first call and fxbackend's.  In
 the first child fxbackend's caches are cold (every kernel compiles), in the second they are
 warm (loaded from disk), as in a new process on a deployed machine.  The table shows
-fxbackend's first call over aot_eager's for both (``1st cold`` / ``1st warm``).  In the main
+fxbackend's first call over aot_eager's for both (``1st cold`` / ``1st warm``), and for the
+warm child also with ``fxbackend.warm_up()``'s seconds added to the first call (``warm+su``:
+a process that compiles without warming up first).  In the main
 process the kernels compiled for one model stay loaded for the next.
 
 ``--dynamic`` compiles with ``dynamic=True`` and, after the main (first) resolution, also calls
@@ -219,11 +223,20 @@ def loadavg():
 
 # -- start-up ---------------------------------------------------------------------------------
 
+#: seconds of each of fxbackend's runtime warm-ups (``fxbackend.warm_up``) in this process
+RUNTIME_WARM_UP = {}
+
+
 def warm_up_backends(backends, device, dtype, fxb_options):
     """Pay one-time costs before timing: Dynamo's initialisation (a trivial aot_eager compile),
-    each selected backend's imports and set-up (a trivial compile with it), and eager's kernel
-    libraries (a linear, a conv and an attention on ``device``/``dtype``).  Returns seconds."""
+    each selected backend's imports and set-up (a trivial compile with it; for fxbackend also
+    ``fxbackend.warm_up``, the start-up of its kernel runtimes, recorded in
+    :data:`RUNTIME_WARM_UP`), and eager's kernel libraries (a linear, a conv and an attention
+    on ``device``/``dtype``).  Returns seconds."""
     t0 = time.perf_counter()
+    if "fxbackend" in backends:
+        import fxbackend
+        RUNTIME_WARM_UP.update(fxbackend.warm_up(device.type))
 
     def trivial(x, w):
         return torch.nn.functional.gelu(x @ w).sin() + 1.0
@@ -400,6 +413,7 @@ def child_first_call(args):
         if b != "eager":
             out[b] = t
         del fn, model
+    out["fxbackend_warm_up_s"] = sum(RUNTIME_WARM_UP.values())
     print("CHILD_RESULT " + json.dumps(out), flush=True)
 
 
@@ -457,9 +471,14 @@ def model_ratios(backends):
 
 def cache_ratios(runs):
     """fxbackend first call / aot_eager first call in the cold and the warm child."""
-    return {f"fxbackend_first_over_aot_eager_first_{m}":
-            ratio(runs.get(m, {}).get("fxbackend"), runs.get(m, {}).get("aot_eager"))
-            for m in ("cold", "warm")}
+    out = {f"fxbackend_first_over_aot_eager_first_{m}":
+           ratio(runs.get(m, {}).get("fxbackend"), runs.get(m, {}).get("aot_eager"))
+           for m in ("cold", "warm")}
+    warm = runs.get("warm", {})
+    fxb, su = warm.get("fxbackend"), warm.get("fxbackend_warm_up_s")
+    out["fxbackend_first_plus_warm_up_over_aot_eager_first_warm"] = \
+        ratio(None if fxb is None or su is None else fxb + su, warm.get("aot_eager"))
+    return out
 
 
 def fmt(v, spec, missing="-"):
@@ -500,6 +519,8 @@ def print_table(results, args, device):
                      rat("fxbackend_first_over_aot_eager_first_cold")))
         cols.append(("ratios", "1st warm", 8,
                      rat("fxbackend_first_over_aot_eager_first_warm")))
+        cols.append(("ratios", "warm+su", 7,
+                     rat("fxbackend_first_plus_warm_up_over_aot_eager_first_warm")))
     cols.append(("ratios", "eager/fxb", 9, rat("eager_steady_over_fxbackend_steady")))
     cols.append(("ratios", "ind/fxb", 7, rat("inductor_steady_over_fxbackend_steady")))
     if "fxbackend" in backends:
@@ -606,8 +627,11 @@ def main(args):
               f"CPU kernels then stall unpredictably (10x swings between calls): consider "
               f"--threads 1 for stable numbers", flush=True)
     meta["warmup_s"] = warm_up_backends(args.backends, device, dtype, args.fxbackend_options)
-    print(f"start-up warm-up (Dynamo + backends' one-time costs): {meta['warmup_s']:.1f} s",
-          flush=True)
+    meta["fxbackend_runtime_warm_up_s"] = dict(RUNTIME_WARM_UP)
+    print(f"start-up warm-up (Dynamo + backends' one-time costs): {meta['warmup_s']:.1f} s"
+          + ("; of which fxbackend.warm_up(): " +
+             ", ".join(f"{k} {v:.2f} s" for k, v in RUNTIME_WARM_UP.items())
+             if RUNTIME_WARM_UP else ""), flush=True)
 
     results = []
     payload = {"meta": meta, "results": results}

@@ -198,3 +198,40 @@ def test_cuda_services_follow_the_current_stream():
         assert ctx.stream == torch.cuda.current_stream() == side
         assert services.cuda_blas() == torch.cuda.current_blas_handle()
     assert services.cuda_context().stream == torch.cuda.default_stream()
+
+
+# -- warm-up ----------------------------------------------------------------------------------
+
+def test_warm_up_runs_registered_start_ups_once_per_call(monkeypatch):
+    monkeypatch.setattr(services, "_warm_ups", {})
+    calls = []
+    services.register_warm_up("cpu", "a", lambda: calls.append("a"))
+    services.register_warm_up("cpu", "b", lambda: calls.append("b"))
+    services.register_warm_up("cpu", "a", lambda: calls.append("a2"))  # same name: replaced
+    services.register_warm_up("cuda", "c", lambda: calls.append("c"))
+    spent = fxbackend.warm_up("cpu")
+    assert calls == ["a2", "b"]
+    assert list(spent) == ["cpu/a", "cpu/b"] and all(v >= 0 for v in spent.values())
+    assert fxbackend.warm_up("meta") == {}  # nothing registered: nothing to do
+
+
+def test_warm_up_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="device must be a device type"):
+        services.register_warm_up("", "x", lambda: None)
+    with pytest.raises(TypeError, match="fn must be callable"):
+        services.register_warm_up("cpu", "x", 3)
+    with pytest.raises(ValueError, match="device types such as 'cpu'"):
+        fxbackend.warm_up(torch.device("cpu"))
+
+
+def test_cpu_warm_up_starts_numba():
+    from fxbackend.cpu_kernels import _numba
+    spent = fxbackend.warm_up("cpu")
+    assert "cpu/numba" in spent
+    import sys
+    assert "numba" in sys.modules
+    probe = _numba._probe()
+    assert probe.signatures, "the probe kernel is compiled (or loaded from the disk cache)"
+    n = len(probe.signatures)
+    fxbackend.warm_up("cpu")
+    assert len(probe.signatures) == n == 1  # idempotent: nothing compiles again
