@@ -9,7 +9,11 @@ What it measures, for every selected model config of :data:`fxbackend.models.MOD
   Dynamo's caches reset just before (``torch._dynamo.reset()``), i.e. trace + compile + one run.
   For ``eager`` it is the first plain call of the freshly built model.
 * **steady**: median wall time of ``--repeat`` (default 10) calls after ``--warmup`` (default 2)
-  warm-up calls; ``--quick`` makes that 3 after 1.  On CUDA each call is timed with CUDA events.
+  warm-up calls; ``--quick`` makes that 3 after 1.  When several backends are selected, the
+  table's steady times (and the ratios) come from a second phase in which every backend,
+  compiled again, is called once per round for ``--repeat`` rounds in a rotating order, so that
+  a shared machine's changing load falls on all of them alike; each backend's own block of
+  calls stays in the JSON as ``steady_ms_block`` (``--no-interleave``: use the blocks).  On CUDA each call is timed with CUDA events.
 * **max error** against eager: ``max|out - ref| / max|ref|`` (computed in float32), where
   ``ref`` is eager's output of an identically seeded model on the same inputs.
 * **memory**: on CUDA ``torch.cuda.max_memory_allocated`` (after ``reset_peak_memory_stats``)
@@ -113,6 +117,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="weights and inputs seed (default 0)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads (default: leave torch's default)")
+    p.add_argument("--no-interleave", action="store_true",
+                   help="report each backend's own block of steady calls instead of the "
+                        "interleaved rounds")
     p.add_argument("--no-kernel-cache-runs", action="store_true",
                    help="skip the per-model child processes that time first calls with cold "
                         "and warm kernel caches")
@@ -373,6 +380,42 @@ def run_backend(backend, family, size, args, device, dtype, refs):
     del fn_model, model, inputs
     torch._dynamo.reset()
     return res
+
+
+def interleaved_steady(family, size, args, device, dtype, backends):
+    """Steady-state times of ``backends`` measured side by side: each is compiled afresh (its
+    first call already timed by :func:`run_backend`; later compiles hit warm caches), warmed up,
+    then ``args.repeat`` rounds call every backend once, in an order rotated each round, so
+    that slow drifts of a shared machine's load land on every backend alike.  Returns
+    ``{backend: [ms per round]}`` (a backend that fails here is left out)."""
+    res1 = tuple(MODEL_CONFIGS[(family, size)]["inputs"]["resolutions"][0])
+    inputs = make_inputs(family, size, resolution=res1, dtype=dtype, device=device,
+                         seed=args.seed)
+    torch._dynamo.reset()
+    calls = {}
+    with torch.no_grad():
+        for b in backends:
+            model = build_model(family, size, dtype=dtype, device=device, seed=args.seed)
+            kw = {"options": args.fxbackend_options} if b == "fxbackend" and \
+                args.fxbackend_options else {}
+            fn = model if b == "eager" else torch.compile(
+                model, backend=b, dynamic=True if args.dynamic else None, **kw)
+            try:
+                for _ in range(max(1, args.warmup)):
+                    fn(**inputs)
+            except Exception as e:  # already reported by run_backend
+                print(f"[{family}/{size}] interleaved: {b} left out ({type(e).__name__})",
+                      flush=True)
+                continue
+            calls[b] = (lambda fn=fn: fn(**inputs))
+        times = {b: [] for b in calls}
+        order = list(calls)
+        for r in range(args.repeat):
+            for b in order[r % len(order):] + order[:r % len(order)]:
+                times[b].append(steady_times_ms(calls[b], device, 1)[1][0])
+    del calls
+    torch._dynamo.reset()
+    return times
 
 
 def reference(family, size, resolution, args, device, dtype):
@@ -666,6 +709,17 @@ def main(args):
                 if "error_res2" in r:
                     msg += f"; res2 ERROR {r['error_res2'][:300]}"
                 print(msg + f"  [{r['wall_s']:.0f} s]", flush=True)
+        ok = [b for b in args.backends if "error" not in row["backends"][b]]
+        if len(ok) > 1 and not args.no_interleave:
+            t0 = time.perf_counter()
+            inter = interleaved_steady(family, size, args, device, dtype, ok)
+            for b, ts in inter.items():
+                row["backends"][b]["steady_ms_block"] = row["backends"][b]["steady_ms"]
+                row["backends"][b]["steady_ms_interleaved_all"] = ts
+                row["backends"][b]["steady_ms"] = statistics.median(ts)
+            print(f"[{row['model']}] interleaved steady ms: " +
+                  ", ".join(f"{b} {statistics.median(ts):.1f}" for b, ts in inter.items()) +
+                  f"  [{time.perf_counter() - t0:.0f} s]", flush=True)
         row["ratios"] = model_ratios(row["backends"])
         if not args.no_kernel_cache_runs and "fxbackend" in args.backends:
             t0 = time.perf_counter()
