@@ -25,7 +25,7 @@ from .ir import Graph, Node, ScalarMeta, TensorMeta, contiguous_strides, storage
 from .lower import SYM_OPS
 from .memory import MemoryPlan, plan_memory
 from .fusion import FusionReport, apply_fusions
-from .rewrite import apply_rewrites
+from .rewrite import RewriteContext, apply_rewrites
 from .native import call_args, out_overload
 from .options import Options
 from .services import CancelToken, running
@@ -330,7 +330,10 @@ class Plan:
         self.copies = 0
         self.cancel_token = CancelToken()
         self.fusion_report = FusionReport()
-        self.rewrites = apply_rewrites(self.graph)
+        rewrite_ctx = RewriteContext(options)
+        self.rewrites = apply_rewrites(self.graph, rewrite_ctx)
+        #: (rule name, [node ids], reason) of every instance a rewrite rule left alone
+        self.rewrites_declined = rewrite_ctx.declined
         if self.rewrites:
             from .pipeline import eliminate_dead_nodes
             eliminate_dead_nodes(self.graph, options)
@@ -794,6 +797,9 @@ class Plan:
         for n in self.graph.nodes:
             k = self.kernels.get(n)
             lines.append(format_node(n) + (f"  [{k.name}]" if k is not None else ""))
+        for rule, ids, why in self.rewrites_declined:
+            lines.append(f"rewrite {rule} declined on " + ", ".join(f"%{i}" for i in ids) +
+                         f": {why}")
         lines.append(self.fusion_report.format())
         return "\n".join(lines)
 

@@ -9,7 +9,12 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
-__all__ = ["Options", "parse_options"]
+__all__ = ["Options", "parse_options", "QUANTIZE_MODES", "CONVROT_GROUPS"]
+
+#: the values of the ``quantize`` option
+QUANTIZE_MODES = ("w8a8",)
+#: the ConvRot groups (orders of the regular Hadamard matrices) of ``convrot_group``
+CONVROT_GROUPS = (1, 4, 16, 64, 256)
 
 
 def _env_flag(name: str) -> bool | None:
@@ -32,6 +37,11 @@ class Options:
     - ``validate_inputs``: check shapes and dtypes of every call, also behind Dynamo's guards.
     - ``device_type``: select kernels for CPU tensors as if they lived on a device of this type
       (a test-only device backed by CPU tensors, to exercise placement without a GPU).
+    - ``quantize``: ``"w8a8"`` rewrites eligible linear layers (float32 weights that are graph
+      inputs) into INT8 ``sd.linear_i8.v1`` steps (``FXB_QUANTIZE=w8a8``); None: off.  The
+      plan's report names each layer left in float and why.
+    - ``convrot_group``: the ConvRot rotation group of ``quantize`` (1, 4, 16, 64 or 256;
+      1 = no rotation; default 256).
     - ``eval_callback``: ``fn(node, value)`` called after every step (a profiling or debugging
       hook that must see every node: it turns fusion off).  ``value`` may be a view of arena
       storage that later steps reuse: valid during the callback only (clone to keep it).
@@ -45,6 +55,8 @@ class Options:
     validate_inputs: bool = False
     eval_callback: Any = None
     device_type: str | None = None
+    quantize: str | None = None
+    convrot_group: int = 256
 
 
 def parse_options(options: Mapping[str, Any] | None = None) -> Options:
@@ -58,6 +70,7 @@ def parse_options(options: Mapping[str, Any] | None = None) -> Options:
         "dump": lambda: _env_flag("FXB_DUMP"),
         "streams": lambda: _env_flag("FXB_STREAMS"),
         "cuda_graphs": lambda: _env_flag("FXB_CUDA_GRAPHS"),
+        "quantize": lambda: os.environ.get("FXB_QUANTIZE") or None,
     }
     for name, read in env.items():
         v = read()
@@ -78,7 +91,17 @@ def parse_options(options: Mapping[str, Any] | None = None) -> Options:
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"fxbackend option 'streams' must be True, False or None, "
                                  f"got {v!r}")
+        elif key == "quantize":
+            pass  # checked below, with the environment's value
+        elif key == "convrot_group":
+            if isinstance(v, bool) or v not in CONVROT_GROUPS:
+                raise ValueError(f"fxbackend option 'convrot_group' must be one of "
+                                 f"{CONVROT_GROUPS}, got {v!r}")
         elif not isinstance(v, bool):
             raise ValueError(f"fxbackend option {key!r} must be a bool, got {v!r}")
         values[key] = v
+    q = values.get("quantize")
+    if q is not None and q not in QUANTIZE_MODES:
+        raise ValueError(f"fxbackend option 'quantize' (or FXB_QUANTIZE) must be one of "
+                         f"{QUANTIZE_MODES} or None, got {q!r}")
     return Options(**values)

@@ -2,7 +2,10 @@
 with one custom-op node (the "canonicalise" step of the pipeline).
 
 A rewrite rule is an object with ``name`` and ``rewrite(graph) -> int`` (how many instances it
-replaced).  It builds the new node with :func:`fxbackend.op_create`, redirects readers with
+replaced), or ``rewrite(graph, ctx) -> int`` to receive a :class:`RewriteContext`: the plan's
+options (a rule that only applies when the user asks for it, such as ``quantize``) and
+``ctx.decline(nodes, reason)``, which puts an instance left alone, and why, in the plan's
+report.  It builds the new node with :func:`fxbackend.op_create`, redirects readers with
 :func:`replace_uses`, and leaves the replaced nodes in place: the engine drops nodes nobody
 reads afterwards.  Rules match on dataflow (ops, use counts, shapes), never on names, and
 decline (leave the graph alone) rather than raise.  They run per plan, on concrete shapes,
@@ -10,17 +13,46 @@ before fusion.
 """
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 from . import registry
 from .ir import Graph, Node
 
 __all__ = ["register_rewrite", "unregister_rewrite", "rewrites", "apply_rewrites",
-           "replace_uses"]
+           "replace_uses", "RewriteContext"]
 
 _lock = threading.RLock()
 _rules: list[Any] = []
+_wants_ctx: dict[int, bool] = {}  # id(rule) -> its rewrite takes a RewriteContext
+
+
+@dataclasses.dataclass
+class RewriteContext:
+    """What a rewrite rule may read besides the graph: the plan's ``options``
+    (:class:`fxbackend.Options`), and :meth:`decline` to report an instance it leaves alone."""
+
+    options: Any
+    #: (rule name, [node ids], reason) of every instance declined
+    declined: list = dataclasses.field(default_factory=list)
+    rule: str = ""
+
+    def decline(self, nodes: Sequence[Node] | Node, reason: str) -> None:
+        """Record that the running rule leaves ``nodes`` alone because of ``reason`` (shown in
+        the plan's report and by ``fxbackend.explain``)."""
+        nodes = [nodes] if isinstance(nodes, Node) else list(nodes)
+        self.declined.append((self.rule, [n.id for n in nodes], str(reason)))
+
+
+def _takes_ctx(rule: Any) -> bool:
+    try:
+        params = [p for p in inspect.signature(rule.rewrite).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return False
+    return len(params) >= 2
 
 
 def register_rewrite(rule: Any) -> Any:
@@ -35,6 +67,7 @@ def register_rewrite(rule: Any) -> Any:
         if any(r.name == rule.name for r in _rules):
             raise ValueError(f"a rewrite rule named {rule.name!r} is already registered")
         _rules.append(rule)
+        _wants_ctx[id(rule)] = _takes_ctx(rule)
         registry._bump()
     return rule
 
@@ -43,6 +76,7 @@ def unregister_rewrite(rule: Any) -> None:
     """Remove a rule registered with :func:`register_rewrite`."""
     with _lock:
         _rules.remove(rule)
+        _wants_ctx.pop(id(rule), None)
         registry._bump()
 
 
@@ -60,11 +94,19 @@ def replace_uses(graph: Graph, old: Node, new: Node) -> None:
         old.is_output = False
 
 
-def apply_rewrites(graph: Graph) -> dict[str, int]:
-    """Run every rule once over ``graph``; returns ``{rule name: instances replaced}``."""
+def apply_rewrites(graph: Graph, ctx: RewriteContext | None = None) -> dict[str, int]:
+    """Run every rule once over ``graph``; returns ``{rule name: instances replaced}``.
+    ``ctx`` (default: default options) goes to the rules whose ``rewrite`` takes one."""
+    if ctx is None:
+        from .options import Options
+        ctx = RewriteContext(Options())
     done: dict[str, int] = {}
     for rule in rewrites():
-        n = int(rule.rewrite(graph) or 0)
+        if _wants_ctx.get(id(rule), False):
+            ctx.rule = rule.name
+            n = int(rule.rewrite(graph, ctx) or 0)
+        else:
+            n = int(rule.rewrite(graph) or 0)
         if n:
             done[rule.name] = n
     return done

@@ -159,6 +159,14 @@ def test_bad_option_value():
     with pytest.raises(ValueError, match="'streams' must be True, False or None"):
         parse_options({"streams": 1})
     assert parse_options({"streams": None}).streams is None
+    with pytest.raises(ValueError, match="'quantize' .* must be one of \\('w8a8',\\)"):
+        parse_options({"quantize": "int4"})
+    for bad in (3, 512, True, "256"):
+        with pytest.raises(ValueError, match="'convrot_group' must be one of"):
+            parse_options({"convrot_group": bad})
+    opts = parse_options({"quantize": "w8a8", "convrot_group": 64})
+    assert (opts.quantize, opts.convrot_group) == ("w8a8", 64)
+    assert (Options().quantize, Options().convrot_group) == (None, 256)
 
 
 @pytest.mark.parametrize("var, value, field, want", [
@@ -171,10 +179,12 @@ def test_bad_option_value():
     ("FXB_DUMP", "false", "dump", False),
     ("FXB_CUDA_GRAPHS", "1", "cuda_graphs", True),
     ("FXB_STREAMS", "0", "streams", False),
+    ("FXB_QUANTIZE", "w8a8", "quantize", "w8a8"),
+    ("FXB_QUANTIZE", "", "quantize", None),
 ])
 def test_env_switches(monkeypatch, var, value, field, want):
     for v in ("FXB_DISABLE_FUSION", "FXB_FORCE_NATIVE", "FXB_DUMP", "FXB_CUDA_GRAPHS",
-              "FXB_STREAMS"):
+              "FXB_STREAMS", "FXB_QUANTIZE"):
         monkeypatch.delenv(v, raising=False)
     assert parse_options() == Options()
     monkeypatch.setenv(var, value)

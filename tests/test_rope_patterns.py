@@ -111,6 +111,29 @@ def test_rewrite_rules_are_plain_extensions():
     assert len(seen) == 1 and seen[0] >= 3
 
 
+def test_rewrite_rules_may_take_a_context_with_options_and_declines():
+    got = []
+
+    class Sines:
+        name = "test_context_rewrite"
+
+        def rewrite(self, graph, ctx):
+            got.append(ctx.options.quantize)
+            sines = [n for n in graph.nodes if n.op == "aten.sin.default"]
+            ctx.decline(sines, "declined on purpose")
+            return 0
+
+    rule = fxbackend.register_rewrite(Sines)
+    try:
+        text = fxbackend.explain(lambda x: x.sin() + 1, torch.randn(3),
+                                 options={"quantize": "w8a8"})
+    finally:
+        fxbackend.unregister_rewrite(rule)
+    assert got == ["w8a8"]
+    assert "rewrite test_context_rewrite declined on %" in text
+    assert text.count("declined on purpose") == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("unbind_dim", [-1, -2])
 def test_16bit_rope_with_float_casts_becomes_one_op_and_stays_exact(dtype, unbind_dim):

@@ -1,0 +1,124 @@
+"""One option for users: ``options={"quantize": "w8a8", "convrot_group": 256}`` rewrites the
+eligible linear layers of a graph into INT8 W8A8 steps (``sd.linear_i8.v1``, ``patterns/int8.py``).
+
+The chain, as ATen gives a ``torch.nn.Linear`` on 2-D rows::
+
+    wt  = aten.t.default(W)                      W a float32 weight graph input [N, K]
+    y   = aten.addmm.default(bias, x, wt)        bias [N], beta = alpha = 1
+        | aten.mm.default(x, wt)                 (no bias)
+
+becomes (rule ``quantize_w8a8``; a rule that runs only when the option asks for it)::
+
+    # addmm(bias, x, t(W)) | mm(x, t(W))  =>  sd.linear_i8.v1(x, W[, bias]) {x_kind=float, w_kind=float}
+
+The step quantizes x per row (after the ConvRot rotation of ``convrot_group`` features, the same
+rotation applied to W along K, so ``x W^T = (x H)(W H)^T``), runs the integer GEMM and scales the
+int32 result by both scales.  Its kernel quantizes W once per plan and again when W changes in
+place (its version counter moves: a LoRA swap, ``update_weights``), so the weight stays a float
+graph input and nothing else in the plan changes.
+
+Eligible: W a weight input (``is_weight``: a parameter or buffer, not an activation), 2-D float32
+on the same device as x, x a 2-D float32 [M, K], K and N multiples of 4, K a multiple of the
+group, a 1-D bias [N] of float32, addmm's beta and alpha 1.  Every other linear stays in float
+and the plan's report says why (``rewrite quantize_w8a8 declined on %n: ...``).
+"""
+from __future__ import annotations
+
+import torch
+
+import fxbackend
+from fxbackend import Node, TensorMeta
+
+__all__ = ["QuantizeW8A8", "linear_parts", "why_not_quantize"]
+
+_LINEAR_I8 = "sd.linear_i8.v1"
+
+
+def linear_parts(n: Node) -> tuple[Node, Node, Node | None] | None:
+    """``(x, W, bias)`` of a ``addmm(bias, x, t(W))`` / ``mm(x, t(W))`` node, else None
+    (dataflow only: the weight operand must be a transpose view of a graph input)."""
+    if n.op == "aten.addmm.default" and len(n.srcs) == 3:
+        bias, x, wt = n.srcs
+    elif n.op == "aten.mm.default" and len(n.srcs) == 2:
+        (x, wt), bias = n.srcs, None
+    else:
+        return None
+    if wt.op != "aten.t.default" or len(wt.srcs) != 1:
+        return None
+    w = wt.srcs[0]
+    if not w.is_input:
+        return None
+    return x, w, bias
+
+
+def why_not_quantize(n: Node, x: Node, w: Node, bias: Node | None, group: int) -> str | None:
+    """None when the linear ``n`` can become an INT8 step, else why not (never raises)."""
+    try:
+        if not w.is_weight:
+            return f"weight %{w.id} is a user input, not a parameter or buffer"
+        xm, wm = x.meta, w.meta
+        if not isinstance(xm, TensorMeta) or not isinstance(wm, TensorMeta):
+            return "operands are not tensors"
+        if xm.is_symbolic or wm.is_symbolic:
+            return "symbolic shapes"
+        if xm.dtype != torch.float32 or wm.dtype != torch.float32:
+            return f"dtype {xm.dtype}/{wm.dtype} (float32 only)"
+        if xm.device != wm.device:
+            return f"x on {xm.device}, weight on {wm.device}"
+        if len(xm.shape) != 2 or len(wm.shape) != 2:
+            return "x and the weight must be 2-D"
+        (m, k), (nn, k2) = xm.shape, wm.shape
+        if k != k2:
+            return f"K mismatch {k} vs {k2}"
+        if k % 4 or nn % 4:
+            return f"K={k} and N={nn} must be multiples of 4"
+        if k % group:
+            return f"K={k} is not a multiple of convrot_group={group}"
+        if bias is not None:
+            bm = bias.meta
+            if not isinstance(bm, TensorMeta) or tuple(bm.shape) != (nn,) \
+                    or bm.dtype != torch.float32 or bm.device != xm.device:
+                return "bias is not a float32 [N] vector on x's device"
+        if n.op == "aten.addmm.default" and (n.params.get("beta", 1) != 1
+                                             or n.params.get("alpha", 1) != 1):
+            return "addmm with beta or alpha other than 1"
+        return None
+    except Exception as exc:  # never raise: decline with the reason
+        return f"metadata not understood ({type(exc).__name__}: {exc})"
+
+
+class QuantizeW8A8:
+    """Rewrite rule ``quantize_w8a8`` (see the module docstring); active only with the option
+    ``quantize="w8a8"``."""
+
+    name = "quantize_w8a8"
+
+    def rewrite(self, graph, ctx) -> int:
+        if ctx.options.quantize != "w8a8":
+            return 0
+        if fxbackend.get_op(_LINEAR_I8) is None:  # the INT8 ops are not registered
+            for n in list(graph.nodes):
+                if linear_parts(n) is not None:
+                    ctx.decline(n, f"{_LINEAR_I8} is not registered")
+            return 0
+        group = ctx.options.convrot_group
+        done = 0
+        for n in list(graph.nodes):
+            parts = linear_parts(n)
+            if parts is None:
+                continue
+            x, w, bias = parts
+            why = why_not_quantize(n, x, w, bias, group)
+            if why is not None:
+                ctx.decline(n, why)
+                continue
+            srcs = [x, w] + ([bias] if bias is not None else [])
+            new = fxbackend.op_create(graph, _LINEAR_I8, srcs,
+                                      {"x_kind": "float", "w_kind": "float", "group": group,
+                                       "has_bias": bias is not None}, after=n)
+            fxbackend.replace_uses(graph, n, new)
+            done += 1
+        return done
+
+
+fxbackend.register_rewrite(QuantizeW8A8)
