@@ -7,3 +7,4 @@ import fxbackend as _fxb  # noqa: E402
 from . import _numba  # noqa: E402
 
 _fxb.services.register_warm_up("cpu", "numba", _numba.warm_up)
+_fxb.services.register_concurrency_check("numba", _numba.concurrency_blocker)

@@ -29,7 +29,8 @@ import tempfile
 import threading
 from typing import Any, Callable
 
-__all__ = ["numba_cache_dir", "import_numba", "once", "njit", "inline", "reassoc", "warm_up"]
+__all__ = ["numba_cache_dir", "import_numba", "once", "njit", "inline", "reassoc", "warm_up",
+           "concurrency_blocker"]
 
 #: the options of every kernel: parallel, cached on disk, strict IEEE float32 (no FMA
 #: contraction, no reordering: ``fastmath=False``), releasing the GIL
@@ -140,3 +141,14 @@ def warm_up() -> None:
     import numpy as np
     with _lock:
         _probe()(np.zeros(1, np.float32))
+
+
+def concurrency_blocker() -> str | None:
+    """Why numba kernels must not be launched from two threads at once, or None: its
+    ``workqueue`` threading layer is not thread-safe (``tbb`` and ``omp`` are).  Runs
+    :func:`warm_up` first, since numba picks its layer at the first parallel launch."""
+    warm_up()
+    layer = sys.modules["numba"].threading_layer()
+    if layer == "workqueue":
+        return "numba's workqueue threading layer is not thread-safe (install tbb or use omp)"
+    return None

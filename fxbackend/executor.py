@@ -12,9 +12,12 @@ copied.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
+import re
 import sys
+import threading
 from collections import Counter
 from typing import Any, Sequence
 
@@ -29,6 +32,7 @@ from .rewrite import RewriteContext, apply_rewrites
 from .native import call_args, out_overload
 from .options import Options
 from .services import CancelToken, running
+from .streams import find_regions, region_lifetimes, worth_it
 
 __all__ = ["CompiledGraph", "Plan", "ExecContext", "concretize", "instantiate"]
 
@@ -38,6 +42,43 @@ _COPY_OP = "fxb.copy_device.v1"
 
 _PLAN_TIME_SCALAR_OPS = {"aten.sym_size.int", "aten.sym_stride.int", "aten.sym_numel.default",
                          "aten.sym_storage_offset.default"}
+
+
+_ASSIGNED = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*) = ")
+_region_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_region_pool_lock = threading.Lock()
+
+
+def _submit_branch(fn, token: CancelToken) -> concurrent.futures.Future:
+    """Run ``fn`` (the auxiliary branches of a region) on the region thread pool, under the
+    plan's cancel token (so ``cpu_parallel`` in it stops when the plan is cancelled)."""
+    global _region_pool
+    if _region_pool is None:
+        with _region_pool_lock:
+            if _region_pool is None:
+                # a pool of its own: a branch may call services.cpu_parallel, whose pool must
+                # not be the one waiting for it
+                _region_pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=2, thread_name_prefix="fxbackend-region")
+
+    # grad and inference mode are per thread: the branch runs as the caller's thread does
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    def branch():
+        with running(token), torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            return fn()
+    return _region_pool.submit(branch)
+
+
+def _record_stream(v: Any, stream: Any) -> None:
+    """Tell the caching allocator that ``v`` (allocated on the auxiliary stream) is used on
+    ``stream`` too, so its memory is not handed out again before ``stream`` is done with it."""
+    if isinstance(v, torch.Tensor):
+        if v.is_cuda:
+            v.record_stream(stream)
+    elif isinstance(v, (tuple, list)):
+        for x in v:
+            _record_stream(x, stream)
 
 
 class ExecContext:
@@ -359,10 +400,16 @@ class Plan:
         self._compile_nodes()
         self.workspace_bytes = 0
         self.workspace = None
+        #: bytes of the second workspace, used by the steps of auxiliary branches
+        self.aux_workspace_bytes = 0
+        self._ws_by_node: dict = {}
+        self._aux_nodes: set = set()
         self._states: list = []
         self._prepared = self._prepare_steps()
+        self.regions, self.regions_off = self._find_regions()
         self.memory: MemoryPlan = plan_memory(self.graph, metas=lambda n: self.metas[n],
-                                              skip_key=self._unread_outputs().__contains__)
+                                              skip_key=self._unread_outputs().__contains__,
+                                              regions=region_lifetimes(self.regions))
         self.arenas = {dev: torch.empty(nbytes, dtype=torch.uint8, device=dev)
                        for dev, nbytes in self.memory.arena_bytes.items()}
         self._build()
@@ -372,6 +419,7 @@ class Plan:
         stats.bump("arena_bytes", self.memory.total_arena)
         stats.bump("intermediate_bytes", self.memory.sum_intermediates)
         stats.bump("workspace_bytes", self.workspace_bytes)
+        stats.bump("concurrent_regions", len(self.regions))
         if options.dump:
             print(f"[fxbackend] {name}: {self.memory.summary()}, "
                   f"workspace {self.workspace_bytes / 2**20:.2f} MB", file=sys.stderr)
@@ -669,12 +717,25 @@ class Plan:
                     else:
                         lines.append(call)
         callback = self.options.eval_callback
+        self._aux_nodes = {n for r in self.regions for n in r.aux}
+        node_lines: dict = {}
         for n in g.nodes:
+            mark = len(lines)
             emit(n)
             if callback is not None and not n.is_input and n in expr:
                 lines.append(f"_cb({const(n).src}, {_render(expr[n])})")
+            node_lines[n] = lines[mark:]
+            del lines[mark:]
         if callback is not None:
             ns["_cb"] = callback
+        pos = 0
+        for k, region in enumerate(self.regions):
+            for n in g.nodes[pos:region.start]:
+                lines.extend(node_lines[n])
+            lines.extend(self._region_lines(k, region, node_lines, ns))
+            pos = region.end
+        for n in g.nodes[pos:]:
+            lines.extend(node_lines[n])
 
         outs = []
         self._lines = lines
@@ -688,6 +749,9 @@ class Plan:
         dev = next(iter(self.arenas), None) or self._plan_device()
         ns["_ws"] = self.workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8,
                                                  device=dev)
+        if self.regions:
+            ns["_ws_aux"] = self.aux_workspace = torch.empty(self.aux_workspace_bytes,
+                                                             dtype=torch.uint8, device=dev)
         # constants become closure cells of the step function: cheaper to load than globals
         names = [k for k in ns if not k.startswith("__") and k != "_keep"]
         self.source = ("def _make(" + ", ".join(names) + "):\n"
@@ -698,6 +762,46 @@ class Plan:
         exec(code, scope)
         self._run = scope["_make"](*[ns[k] for k in names])
         self._ns = ns
+
+    def _region_lines(self, k: int, region: Any, node_lines: dict, ns: dict) -> list[str]:
+        """The generated code of one fork/join region: the auxiliary branches on the region
+        thread (CPU) or the auxiliary stream (CUDA), the main branch here, then the join."""
+        aux = region.aux
+        main = region.branches[region.main]
+        free_lines = [ln for n in region.free for ln in node_lines[n]]
+        aux_lines = [ln for n in aux for ln in node_lines[n]]
+        main_lines = [ln for n in main for ln in node_lines[n]]
+        defined = list(dict.fromkeys(m.group(1) for ln in aux_lines
+                                     if (m := _ASSIGNED.match(ln)) and m.group(1) != "_r"))
+        if not aux_lines:
+            return free_lines + main_lines
+        if self._plan_device().type == "cuda":
+            ns["_aux_stream"] = self._aux_stream
+            ns["_cur_stream"] = torch.cuda.current_stream
+            ns["_on_stream"] = torch.cuda.stream
+            ns["_record"] = _record_stream
+            out = free_lines + [f"_main_s{k} = _cur_stream()",
+                   f"_aux_stream.wait_stream(_main_s{k})",  # fork
+                   "with _on_stream(_aux_stream):"]
+            out += ["    " + ln for ln in aux_lines]
+            out += main_lines
+            out.append(f"_main_s{k}.wait_stream(_aux_stream)")  # join
+            # storage allocated on the auxiliary stream and read on the main one
+            out += [f"_record({v}, _main_s{k})" for v in defined]
+            return out
+        ns["_submit"] = _submit_branch
+        ns["_wait"] = concurrent.futures.wait
+        ns["_token"] = self.cancel_token
+        out = free_lines + [f"def _aux{k}():"]
+        out += ["    " + ln for ln in aux_lines]
+        out.append("    return (" + "".join(f"{v}, " for v in defined) + ")")
+        out.append(f"_f{k} = _submit(_aux{k}, _token)")  # fork
+        out.append("try:")
+        out += ["    " + ln for ln in main_lines] or ["    pass"]
+        out.append("finally:")
+        out.append(f"    _wait([_f{k}])")  # never leave a branch running behind an error
+        out.append(("".join(f"{v}, " for v in defined) or "_") + f" = _f{k}.result()")  # join
+        return out
 
     def _scalar_operand(self, n: Node, v: Any, const) -> Any:
         """A number passed to a Tensor argument of a float32/float64 op, as a 0-dim CPU tensor
@@ -756,16 +860,47 @@ class Plan:
                                  f"workspace_bytes={ws!r}; expected an int >= 0")
             self._states.append((owner, state))
             self.workspace_bytes = max(self.workspace_bytes, ws)
+            self._ws_by_node[n] = ws
             prepared[n] = state
         return prepared
+
+    def _find_regions(self) -> tuple[list, str | None]:
+        """The fork/join regions this plan runs concurrently (``fxbackend.streams``), and why
+        none when there are none."""
+        want = self.options.streams
+        if want is False:
+            return [], "off (options streams=False or FXB_STREAMS=0)"
+        if self.options.eval_callback is not None:
+            return [], "off: a per-node evaluation callback is set"
+        if any(n.annotations.get("placed") for n in self.graph.nodes):
+            return [], "off: steps placed on another device"
+        dev = self._plan_device()
+        metas = lambda n: self.metas[n]  # noqa: E731
+        regions = find_regions(self.graph, self.kernels, metas)
+        if want is None:
+            regions = [r for r in regions if worth_it(r, metas, dev)]
+        if not regions:
+            return [], ("no fork/join region with independent branches" if want
+                        else "no region worth overlapping (options streams=True forces them)")
+        if dev.type == "cpu":
+            from .services import concurrency_blocker
+            why = concurrency_blocker()
+            if why is not None:
+                return [], f"off: {why}"
+        elif dev.type == "cuda":
+            self._aux_stream = torch.cuda.Stream(dev)
+        aux = {n for r in regions for n in r.aux}
+        self.aux_workspace_bytes = max([self._ws_by_node.get(n, 0) for n in aux] + [0])
+        return regions, None
 
     def _extension_call(self, n: Node, kernel: Any, srcs: list, codes: list, const) -> str:
         state = self._prepared.get(n)
         ctx = ExecContext(self._device_of(n))
         srcs = "[" + ", ".join(_render(c) for c in srcs) + "]"
         out = codes[0].src if len(codes) == 1 else "(" + ", ".join(c.src for c in codes) + ",)"
+        ws = "_ws_aux" if n in self._aux_nodes else "_ws"
         call = (f"{const(kernel.execute).src}({const(ctx).src}, {const(n).src}, "
-                f"{const(state).src}, {srcs}, {out}, _ws)")
+                f"{const(state).src}, {srcs}, {out}, {ws})")
         from .ops import get_op
         owners = [o for o in (kernel, get_op(n.op)) if callable(getattr(o, "update_args", None))]
         if not owners:
@@ -797,6 +932,12 @@ class Plan:
         for n in self.graph.nodes:
             k = self.kernels.get(n)
             lines.append(format_node(n) + (f"  [{k.name}]" if k is not None else ""))
+        if self.regions:
+            for r in self.regions:
+                lines.append("concurrent " + r.describe() + ": auxiliary " +
+                             ", ".join(f"%{n.id}" for n in r.aux if n in self.kernels))
+        elif self.options.streams is not False or self.regions_off:
+            lines.append(f"concurrent regions: {self.regions_off}")
         for rule, ids, why in self.rewrites_declined:
             lines.append(f"rewrite {rule} declined on " + ", ".join(f"%{i}" for i in ids) +
                          f": {why}")

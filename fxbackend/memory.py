@@ -119,13 +119,17 @@ def owner_meta(metas: Callable[[Node], Any], owner: Node, index: int | None) -> 
 
 def buffers_of(graph: Graph, metas: Callable[[Node], Any] | None = None,
                skip: Callable[[Node], bool] | None = None,
-               skip_key: Callable[[tuple], bool] | None = None) -> tuple[list[Buffer], list]:
+               skip_key: Callable[[tuple], bool] | None = None,
+               regions: Iterable[tuple[int, int]] = ()) -> tuple[list[Buffer], list]:
     """Buffers (lifetimes in node order) of every tensor the graph computes.
 
     Returns ``(arena_buffers, per_call_keys)``: owners whose storage is (or is viewed by) a graph
     output are allocated per call and not planned.  ``metas(node)`` gives concrete metadata
     (default: ``node.meta``); ``skip(node)`` marks nodes that get no storage (fused away);
-    ``skip_key((node_id, index))`` single outputs that need none.
+    ``skip_key((node_id, index))`` single outputs that need none.  ``regions``: step ranges
+    ``(first, last)`` whose steps may run concurrently (``fxbackend.streams``): a buffer whose
+    lifetime meets such a range is stretched over all of it, so that no two buffers the range
+    touches share storage while it runs.
     """
     metas = metas or (lambda n: n.meta)
     start: dict = {}
@@ -164,6 +168,11 @@ def buffers_of(graph: Graph, metas: Callable[[Node], Any] | None = None,
     for o in graph.outputs:
         if isinstance(o, Node):
             per_call.update(keys_of(o))
+    for first, last in regions:
+        for k in order:
+            if start[k] <= last and end[k] >= first:
+                start[k] = min(start[k], first)
+                end[k] = max(end[k], last)
     by_id = {n.id: n for n in graph.nodes}
     bufs = []
     for k in order:
@@ -178,9 +187,11 @@ def buffers_of(graph: Graph, metas: Callable[[Node], Any] | None = None,
 def plan_memory(graph: Graph, metas: Callable[[Node], Any] | None = None,
                 skip: Callable[[Node], bool] | None = None,
                 skip_key: Callable[[tuple], bool] | None = None,
-                alignment: int = ALIGNMENT) -> MemoryPlan:
-    """Plan every intermediate of ``graph`` into one arena per device."""
-    bufs, per_call = buffers_of(graph, metas, skip, skip_key)
+                alignment: int = ALIGNMENT,
+                regions: Iterable[tuple[int, int]] = ()) -> MemoryPlan:
+    """Plan every intermediate of ``graph`` into one arena per device (``regions``: see
+    :func:`buffers_of`)."""
+    bufs, per_call = buffers_of(graph, metas, skip, skip_key, regions)
     offsets: dict = {}
     arena: dict = {}
     for dev in sorted({b.device for b in bufs}):

@@ -20,7 +20,8 @@ from typing import Any, Callable
 import torch
 
 __all__ = ["cpu_parallel", "cuda_context", "cuda_blas", "Cancelled", "CancelToken",
-           "current_token", "running", "register_warm_up", "warm_up"]
+           "current_token", "running", "register_warm_up", "warm_up",
+           "register_concurrency_check", "concurrency_blocker"]
 
 
 class Cancelled(RuntimeError):
@@ -196,3 +197,24 @@ def warm_up(*devices: str) -> dict[str, float]:
             fn()
             spent[f"{dev}/{name}"] = time.perf_counter() - t0
     return spent
+
+
+_concurrency_checks: dict[str, Callable[[], "str | None"]] = {}
+
+
+def register_concurrency_check(name: str, fn: Callable[[], "str | None"]) -> None:
+    """Register ``fn() -> reason or None``: why the CPU steps of a kernel runtime must not run
+    from two threads at once right now (e.g. numba's workqueue threading layer), else None.
+    Plans consult every check before running branches concurrently on the CPU."""
+    if not callable(fn):
+        raise TypeError(f"register_concurrency_check({name!r}): fn must be callable")
+    _concurrency_checks[name] = fn
+
+
+def concurrency_blocker() -> str | None:
+    """The first reason a registered runtime gives against concurrent CPU branches, or None."""
+    for name, fn in list(_concurrency_checks.items()):
+        why = fn()
+        if why:
+            return f"{name}: {why}"
+    return None

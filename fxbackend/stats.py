@@ -71,12 +71,14 @@ def stats() -> dict[str, Any]:
     new input-shape signature of an already compiled graph), ``calls``, ``steps_by_kernel``
     (steps executed, by kernel name), ``fusions_by_rule``, ``copies`` (counted copies executed),
     ``rewrites_by_rule`` (idioms replaced by custom ops, per plan built),
-    ``arena_bytes``, ``intermediate_bytes`` and ``workspace_bytes`` (summed over plans built).
+    ``arena_bytes``, ``intermediate_bytes`` and ``workspace_bytes`` (summed over plans built),
+    ``concurrent_regions`` (fork/join regions whose branches run side by side, summed over
+    plans built).
     """
     with _lock:
         out: dict[str, Any] = {k: _counters.get(k, 0) for k in (
             "graphs_compiled", "nodes_lowered", "fallback_graphs", "plans_built", "replans",
-            "arena_bytes", "intermediate_bytes", "workspace_bytes")}
+            "arena_bytes", "intermediate_bytes", "workspace_bytes", "concurrent_regions")}
         steps: Counter = Counter()
         fusions: Counter = Counter()
         copies = 0
