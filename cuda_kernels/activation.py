@@ -155,6 +155,8 @@ class LinearActCUDA:
     Triton pass."""
 
     name = "linear_act_triton"
+    #: launches only (no allocation, no host synchronisation): CUDA graphs may capture it
+    capture_safe = True
 
     def why_not(self, x, w, bias, out_dtype, act, gated):
         return why_not(x, w, bias, out_dtype, act, gated)

@@ -170,6 +170,8 @@ class GatedResidualCUDA:
     ``fxbackend.patterns.gated_residual.GatedResidualFusion`` for the interface)."""
 
     name = "gated_residual_triton"
+    #: launches only (no allocation, no host synchronisation): CUDA graphs may capture it
+    capture_safe = True
 
     def why_not(self, y, gate, residual, out):
         return why_not(y, gate, residual, out)

@@ -185,6 +185,8 @@ class GroupNormSiluCUDA:
     ``fxbackend.patterns.groupnorm.GroupNormSiluFusion``)."""
 
     name = "group_norm_silu_triton"
+    #: launches only (no allocation, no host synchronisation): CUDA graphs may capture it
+    capture_safe = True
 
     def why_not(self, x, w, b, out, groups, eps):
         return why_not(x, w, b, out, groups, eps)
@@ -201,6 +203,8 @@ class GroupNormCUDA(GroupNormOpKernel):
     takes with the node's contiguous output, i.e. dense NCHW x.  Workspace: none."""
 
     name = "group_norm_triton"
+    #: launches only (no allocation, no host synchronisation): CUDA graphs may capture it
+    capture_safe = True
     why_not = staticmethod(why_not)
 
     def compile(self, node) -> None:

@@ -205,6 +205,8 @@ class ModulationCUDA:
     ``fxbackend.patterns.modulation.ModulationFusion`` for the interface)."""
 
     name = "modulation_triton"
+    #: launches only (no allocation, no host synchronisation): CUDA graphs may capture it
+    capture_safe = True
 
     def why_not(self, x, scale, shift, out, norm):
         return why_not(x, scale, shift, out, norm)

@@ -245,6 +245,8 @@ class RmsRopeCUDA:
     ``fxbackend.patterns.rope.RmsRopeFusion`` for the interface)."""
 
     name = "rms_rope_triton"
+    #: launches only (no allocation, no host synchronisation): CUDA graphs may capture it
+    capture_safe = True
 
     def why_not(self, x, w, cos, sin, out_dtype, mode, n_rot):
         return why_not(x, w, cos, sin, out_dtype, mode, n_rot)

@@ -218,6 +218,8 @@ class RmsNormCUDA:
     """``sd.rms_norm.v1`` on CUDA with the Triton kernel above."""
 
     name = "rms_norm_triton"
+    #: launches only (no allocation, no host synchronisation): CUDA graphs may capture it
+    capture_safe = True
     op = "sd.rms_norm.v1"
     priority = 10
 

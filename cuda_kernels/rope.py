@@ -347,6 +347,8 @@ class RopeApplyCUDA:
     """``sd.rope_apply.v1`` on CUDA with the Triton kernel above."""
 
     name = "rope_apply_triton"
+    #: launches only (no allocation, no host synchronisation): CUDA graphs may capture it
+    capture_safe = True
     op = "sd.rope_apply.v1"
     priority = 10
 

@@ -79,6 +79,8 @@ class ScaleCastCUDA:
     """The Triton kernel behind the ``scale_cast`` rule on CUDA."""
 
     name = "scale_cast_triton"
+    #: launches only (no allocation, no host synchronisation): CUDA graphs may capture it
+    capture_safe = True
 
     def why_not(self, x, out):
         return why_not(x, out)

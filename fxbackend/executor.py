@@ -33,6 +33,7 @@ from .native import call_args, out_overload
 from .options import Options
 from .services import CancelToken, running
 from .streams import find_regions, region_lifetimes, worth_it
+from .cudagraphs import GraphRunner, capture_blocker
 
 __all__ = ["CompiledGraph", "Plan", "ExecContext", "concretize", "instantiate"]
 
@@ -413,6 +414,18 @@ class Plan:
         self.arenas = {dev: torch.empty(nbytes, dtype=torch.uint8, device=dev)
                        for dev, nbytes in self.memory.arena_bytes.items()}
         self._build()
+        #: the CUDA graph of this plan (options cuda_graphs), and why there is none
+        self._graph_runner: GraphRunner | None = None
+        self.cuda_graph_off: str | None = None
+        if options.cuda_graphs:
+            why = capture_blocker(self.graph.nodes, self.kernels,
+                                  lambda n: n.is_scalar and n not in self.scalars,
+                                  self._plan_device().type, options.eval_callback is not None)
+            if why is None:
+                self._graph_runner = GraphRunner(
+                    self._run, [n.is_weight for n in self.graph.inputs], self._plan_device())
+            else:
+                self.cuda_graph_off = why
         self._stats_key = stats.register_plan_counts({"steps": self.step_counts,
                                                       "copies": self.copies})
         stats.bump("plans_built")
@@ -913,11 +926,12 @@ class Plan:
     def run(self, args: list) -> list:
         """Execute without validating inputs; returns the list of outputs."""
         stats.record_plan_call(self._stats_key)
+        run = self._graph_runner or self._run
         if not self._prepared:
-            return self._run(args)
+            return run(args)
         self.cancel_token.clear()
         with running(self.cancel_token):
-            return self._run(args)
+            return run(args)
 
     def cancel(self) -> None:
         """Cancel the running call (from any thread): services such as ``cpu_parallel`` stop
@@ -938,6 +952,10 @@ class Plan:
                              ", ".join(f"%{n.id}" for n in r.aux if n in self.kernels))
         elif self.options.streams is not False or self.regions_off:
             lines.append(f"concurrent regions: {self.regions_off}")
+        if self.options.cuda_graphs:
+            lines.append("cuda graph: " + (
+                f"captured {self._graph_runner.captures} time(s)" if self._graph_runner
+                else f"off: {self.cuda_graph_off}"))
         for rule, ids, why in self.rewrites_declined:
             lines.append(f"rewrite {rule} declined on " + ", ".join(f"%{i}" for i in ids) +
                          f": {why}")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one prepared GPU check: on a machine with a CUDA GPU, run the tests marked `cuda` and the
 # GPU benchmarks, writing logs under $OUT (or ./gpu_logs).  Finishes in under 9 minutes (the
-# steps' time limits add up to 520 s).
+# steps' time limits add up to 540 s).
 #
 # That machine has its own torch, triton, numba, safetensors, pytest and hypothesis but no
 # network: this script uses its Python as is, installs the project with --no-deps, and installs
@@ -41,10 +41,12 @@ $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$LOG/inst
 step cuda_tests 240 $PY -m pytest -q -m cuda -p no:cacheprovider tests
 step bench_cuda 120 $PY scripts/bench.py --device cuda --sizes tiny,small --no-kernel-cache-runs \
     --backends eager,aot_eager,fxbackend --repeat 20 --json "$LOG/bench_cuda.json"
-step bench_cuda_inductor 60 $PY scripts/bench.py --device cuda --sizes small --families flux \
+step bench_cuda_inductor 50 $PY scripts/bench.py --device cuda --sizes small --families flux \
     --no-kernel-cache-runs --backends eager,inductor,fxbackend --repeat 20 \
     --json "$LOG/bench_cuda_inductor.json"
 step bench_rms_rope_cuda 40 $PY scripts/bench_rms_rope_cuda.py --out "$LOG/bench_rms_rope_cuda.txt"
-step overhead_cuda 60 $PY scripts/bench_overhead.py --device cuda --rounds 3 --calls 100 --json "$LOG/overhead_cuda.json"
+step overhead_cuda 40 $PY scripts/bench_overhead.py --device cuda --rounds 3 --calls 100 --json "$LOG/overhead_cuda.json"
+step bench_streams 50 $PY scripts/bench_streams.py --device cuda --rounds 3 --calls 5 --cuda-graphs \
+    --json "$LOG/bench_streams.json"
 echo "gpu_check: $([ $status -eq 0 ] && echo all steps passed || echo some step failed)" | tee -a "$LOG/summary.txt"
 exit $status
