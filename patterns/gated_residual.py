@@ -32,6 +32,7 @@ Sources: Peebles & Xie, "Scalable Diffusion Models with Transformers" (adaLN-Zer
 from __future__ import annotations
 
 import dataclasses
+import math
 from functools import lru_cache
 from typing import Any, NamedTuple
 
@@ -226,6 +227,22 @@ def _is_residual_add(n, prev) -> bool:
         tuple(n.meta.shape) == tuple(prev.meta.shape)
 
 
+def exact_scale(scale_op: str | None, scale: float | None) -> tuple[str | None, float | None]:
+    """The same scaling with cheaper arithmetic, exactly: ``* 1`` is dropped, and division by a
+    power of two becomes multiplication by its reciprocal (both exact in float32, so
+    ``round(y / s) == round(y * (1 / s))`` for every y; PixArt's ``/ 1.0`` after its attention
+    output costs a division per element otherwise).  Other scales are returned unchanged."""
+    if scale_op is None or scale is None or not math.isfinite(scale) or scale == 0:
+        return scale_op, scale
+    mant, exp = math.frexp(scale)
+    if abs(mant) == 0.5 and -125 <= exp - 1 <= 125:  # a power of two; 1/scale a float32 too
+        if scale_op == "div":
+            scale_op, scale = "mul", 1.0 / scale
+        if scale_op == "mul" and scale == 1.0:
+            return None, None
+    return scale_op, scale
+
+
 @dataclasses.dataclass
 class _Parts:
     """What the fused step needs from its chain (node references are the external inputs)."""
@@ -315,11 +332,12 @@ class GatedResidualFusion:
             bias, x, w = lin.srcs
         else:
             (x, w), bias = lin.srcs, None
+        scale_op, scale = exact_scale(
+            None if scale_node is None else
+            ("mul" if scale_node.op == "aten.mul.Tensor" else "div"),
+            None if scale_node is None else float(scale_node.params["other"]))
         return _Parts(lin, x, w, bias, _other(mul, y), _other(add, mul), tuple(y.meta.shape),
-                      None if scale_node is None else
-                      ("mul" if scale_node.op == "aten.mul.Tensor" else "div"),
-                      None if scale_node is None else float(scale_node.params["other"]),
-                      add.meta)
+                      scale_op, scale, add.meta)
 
     def _why_not(self, chain: list) -> str | None:
         p = self._parts(chain)

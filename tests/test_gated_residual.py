@@ -322,3 +322,18 @@ def test_block_on_cuda_fused_equals_unfused(variant):
     fused, fires = _compiled(mod, args)
     unfused, _ = _compiled(mod, args, {"fusion": False})
     assert fires == {"gated_residual": 1} and torch.equal(fused, unfused)
+
+
+@pytest.mark.parametrize("op,s,want", [
+    ("div", 1.0, (None, None)), ("mul", 1.0, (None, None)), ("div", 4.0, ("mul", 0.25)),
+    ("div", 0.5, ("mul", 2.0)), ("mul", 0.5, ("mul", 0.5)), ("div", 3.0, ("div", 3.0)),
+    ("div", 2.0 ** 130, ("div", 2.0 ** 130)), (None, None, (None, None)),
+])
+def test_exact_scale_simplifies_only_where_exact(op, s, want):
+    from fxbackend.patterns.gated_residual import exact_scale
+    assert exact_scale(op, s) == want
+    if want[0] is not None and op is not None and abs(s) < 2.0 ** 100:
+        y = torch.randn(10_000) * 1e3
+        ref = y / s if op == "div" else y * s
+        got = y * want[1] if want[0] == "mul" else y / want[1]
+        assert torch.equal(ref, got)
