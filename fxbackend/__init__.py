@@ -2,7 +2,8 @@
 
 ``torch.compile(model, backend="fxbackend", options={...})`` lowers each graph Dynamo captures
 to a flat node list, plans its intermediates into one arena and runs every step through the
-kernel registry.  See ARCHITECTURE.md.
+kernel registry.  ``fxbackend.export`` / ``save`` / ``load`` save a plan as one file and replay it
+without Dynamo or the model's code (docs/FORMAT.md).  See ARCHITECTURE.md.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from .options import Options, parse_options
 from .rewrite import register_rewrite, replace_uses, unregister_rewrite
 from .registry import (register_kernel, select_kernel, supports_native_op, supports_op,
                        unregister_kernel)
+from .replay import ExportedPlan, ReplayError, load, save
+from .exporter import export, from_compiled, record_graphs
 from .services import warm_up
 from .stats import reset_stats, stats
 
@@ -26,7 +29,8 @@ __all__ = ["fxbackend_backend", "compile_fx_graph", "explain", "CompiledGraph", 
            "register_kernel", "unregister_kernel", "select_kernel", "supports_op",
            "supports_native_op", "register_fusion", "unregister_fusion", "graph_delay",
            "register_rewrite", "unregister_rewrite", "replace_uses", "load_extensions",
-           "services", "stats", "reset_stats", "backend", "warm_up"]
+           "services", "stats", "reset_stats", "backend", "warm_up", "export", "save",
+           "load", "from_compiled", "record_graphs", "ExportedPlan", "ReplayError"]
 
 #: the Dynamo backend callable (also registered by name through the entry point)
 backend = fxbackend_backend

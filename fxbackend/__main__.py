@@ -1,8 +1,13 @@
-"""Command line: ``python -m fxbackend demo`` (what ``make demo`` runs).
+"""Command line: ``python -m fxbackend {demo,replay,inspect}``.
 
-``demo`` builds a small diffusers Flux transformer from a config with random weights (nothing is
-downloaded), compiles it with ``torch.compile(backend="fxbackend")``, checks it against eager,
-and prints the backend's stats and the speed against eager.
+``demo`` (what ``make demo`` runs) builds a small diffusers Flux transformer from a config with
+random weights (nothing is downloaded), compiles it with ``torch.compile(backend="fxbackend")``,
+checks it against eager, and prints the backend's stats and the speed against eager.
+
+``replay FILE --inputs INPUTS.safetensors [--device cuda] [--bench N] [--out OUT.safetensors]``
+loads a saved plan (``fxbackend.save``), runs it on the inputs and prints the outputs' shapes,
+the timing and the memory report.  ``inspect FILE`` prints what the file holds: inputs,
+weights, symbols, custom ops, the node list and the ops each step uses.
 """
 from __future__ import annotations
 
@@ -70,9 +75,105 @@ def demo(argv: list[str]) -> int:
     return 0 if ok else 1
 
 
+def _load_inputs(path: str, plan, device) -> dict:
+    """The user inputs from a safetensors file: names matching ``plan.input_names``, or
+    ``0``, ``1``, ... in order; 0-dim tensors for Python-number inputs."""
+    import safetensors.torch
+    import fxbackend
+    try:
+        tensors = safetensors.torch.load_file(path)
+    except Exception as e:  # safetensors' own message says what is wrong
+        raise fxbackend.ReplayError(f"{path}: cannot read inputs: {e}") from None
+    names = plan.input_names
+    if set(tensors) != set(names) and set(tensors) != {str(i) for i in range(len(names))}:
+        raise fxbackend.ReplayError(
+            f"{path}: the inputs are named {sorted(tensors)}; this plan takes {names} (or "
+            f"{[str(i) for i in range(len(names))]}, in that order)")
+    return {k: v.to(device) for k, v in tensors.items()}
+
+
+def replay(argv: list[str]) -> int:
+    """Load a saved plan, run it on inputs from a safetensors file, print the outputs' shapes,
+    the timing and the memory report."""
+    p = argparse.ArgumentParser(prog="python -m fxbackend replay", description=replay.__doc__)
+    p.add_argument("file", help="a plan saved with fxbackend.save")
+    p.add_argument("--inputs", required=True,
+                   help="safetensors file: one tensor per input, named as the plan's inputs "
+                        "(see inspect) or 0, 1, ... in order")
+    p.add_argument("--device", default=None, help="load and run on this device (default: the "
+                                                  "device the plan was saved from)")
+    p.add_argument("--bench", type=int, default=0, metavar="N",
+                   help="time N more calls and print the median")
+    p.add_argument("--out", default=None, help="write the outputs here (safetensors, named "
+                                               "0, 1, ...)")
+    args = p.parse_args(argv)
+
+    import torch
+    import fxbackend
+
+    try:
+        t0 = time.perf_counter()
+        plan = fxbackend.load(args.file, device=args.device)
+        t_load = time.perf_counter() - t0
+        inputs = _load_inputs(args.inputs, plan, plan.device)
+
+        def call():
+            out = plan.run(inputs)
+            if plan.device.type == "cuda":
+                torch.cuda.synchronize(plan.device)
+            return out
+
+        t0 = time.perf_counter()
+        outs = call()
+        t_first = time.perf_counter() - t0
+    except fxbackend.ReplayError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"plan: {args.file} on {plan.device} (loaded in {t_load * 1e3:.1f} ms)")
+    for i, o in enumerate(outs):
+        if isinstance(o, torch.Tensor):
+            print(f"output {i}: {str(o.dtype).replace('torch.', '')} {list(o.shape)}")
+        else:
+            print(f"output {i}: {o!r}")
+    print(f"first call (plan build + run): {t_first * 1e3:.1f} ms")
+    if args.bench > 0:
+        call()
+        print(f"steady state (median of {args.bench}): {_median_ms(call, args.bench):.2f} ms")
+    print("memory:")
+    print(plan.memory_report())
+    if args.out:
+        import safetensors.torch
+        tensors = {str(i): o.detach().to("cpu").contiguous() for i, o in enumerate(outs)
+                   if isinstance(o, torch.Tensor)}
+        safetensors.torch.save_file(tensors, args.out)
+        print(f"outputs written to {args.out}")
+    return 0
+
+
+def inspect(argv: list[str]) -> int:
+    """Print what a saved plan holds: inputs, weights, symbols, custom ops, the node list, the
+    ops it uses and, for a static graph, each step of a plan with its kernel and ops."""
+    p = argparse.ArgumentParser(prog="python -m fxbackend inspect", description=inspect.__doc__)
+    p.add_argument("file", help="a plan saved with fxbackend.save")
+    p.add_argument("--device", default=None, help="build the plan for this device (default: "
+                                                  "the device it was saved from)")
+    p.add_argument("--no-steps", action="store_true", help="do not build a plan")
+    args = p.parse_args(argv)
+
+    import fxbackend
+    from fxbackend.replay import describe
+
+    try:
+        print(describe(args.file, device=args.device, steps=not args.no_steps))
+    except fxbackend.ReplayError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"demo": demo}
+    commands = {"demo": demo, "replay": replay, "inspect": inspect}
     if not argv or argv[0] not in commands:
         print(f"usage: python -m fxbackend {{{','.join(commands)}}} [options]", file=sys.stderr)
         return 2

@@ -950,7 +950,7 @@ class Plan:
             for r in self.regions:
                 lines.append("concurrent " + r.describe() + ": auxiliary " +
                              ", ".join(f"%{n.id}" for n in r.aux if n in self.kernels))
-        elif self.options.streams is not False or self.regions_off:
+        elif self.options.streams:  # asked for and none: say why
             lines.append(f"concurrent regions: {self.regions_off}")
         if self.options.cuda_graphs:
             lines.append("cuda graph: " + (
@@ -1015,6 +1015,10 @@ class CompiledGraph:
         self.symbolic = graph.is_symbolic
         self.plans: dict[Any, Plan] = {}
         self._static: Plan | None = None
+        #: callables ``fn(compiled_graph, args)`` told the arguments of each :meth:`run`
+        #: (``fxbackend.record_graphs`` keeps the tensors a Dynamo graph is called with, to
+        #: save them); empty: nothing is told
+        self.observers: list = []
         inputs = graph.inputs
         # the inputs whose shapes (or values) vary between signatures
         self._varying = [i for i, n in enumerate(inputs)
@@ -1051,6 +1055,9 @@ class CompiledGraph:
     def run(self, args: list) -> list:
         """The fast path (behind Dynamo's guards): validate only when a plan is built, unless
         the ``validate_inputs`` option asks for every call."""
+        if self.observers:
+            for observer in list(self.observers):
+                observer(self, args)
         if self.options.validate_inputs:
             return self.plan_for(args)(*args)
         if not self.symbolic:

@@ -10,7 +10,15 @@ only).  Optional capabilities, found by presence:
   op's native kernel on any device (extension kernels registered for the op come first);
 - ``compile(node)``: ahead-of-time work at plan time; may run in parallel across nodes, so any
   shared state must be thread-safe;
-- ``serialize(node) -> dict`` / ``deserialize(dict) -> attrs``: needed to save plans;
+- ``serialize(node) -> dict`` / ``deserialize(data) -> attrs``: needed to save plans
+  (:mod:`fxbackend.replay`).  ``serialize`` returns the node's attributes as plain JSON data (a
+  dict with string keys; values None, bool, int, finite float, str, and lists/dicts of those);
+  ``deserialize`` turns that data back into the attribute dict, which the loader then checks
+  against ``attrs`` like :func:`op_create` does.  It gets data read from a file: it must only
+  read it (raise on anything unexpected; never import, evaluate or unpickle).  An op's name is
+  versioned: when its attributes change meaning, register a new version rather than reading
+  old data differently.  Saving a plan with a custom op lacking either method fails before
+  anything is written, naming the op;
 - ``update_args(node, state, inputs)``: called before a step runs when one of its inputs'
   addresses differs from the previous call (kernels may have it too).
 
@@ -31,7 +39,8 @@ import torch
 from . import registry
 from .ir import Graph, Node, TensorMeta, _is_contiguous
 
-__all__ = ["register_op", "unregister_op", "get_op", "op_create", "registered_ops"]
+__all__ = ["register_op", "unregister_op", "get_op", "op_create", "registered_ops",
+           "can_serialize", "serialize_attrs", "deserialize_attrs"]
 
 _NAME = re.compile(r"^[a-z_][a-z0-9_]*\.[a-z_][a-z0-9_]*\.v[0-9]+$")
 _PLAIN = (bool, int, float, str, type(None))
@@ -167,3 +176,51 @@ def op_create(graph: Graph, name: str, srcs: Sequence[Node], attrs: dict | None 
     else:
         graph.insert(graph.nodes.index(after) + 1, node)
     return node
+
+
+# -- the serialize/deserialize capability (saved plans) -------------------------------------------
+
+def can_serialize(op: Any) -> bool:
+    """Whether ``op`` has both the ``serialize`` and the ``deserialize`` capability."""
+    return callable(getattr(op, "serialize", None)) and callable(getattr(op, "deserialize", None))
+
+
+def _check_json(value: Any, path: str, depth: int = 0) -> None:
+    if depth > 32:
+        raise ValueError(f"{path}: nested too deeply")
+    if value is None or isinstance(value, (bool, int, str)):
+        return
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(f"{path}: {value} is not a finite float")
+        return
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_json(v, f"{path}[{i}]", depth + 1)
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ValueError(f"{path}: key {k!r} is not a string")
+            _check_json(v, f"{path}[{k!r}]", depth + 1)
+        return
+    raise ValueError(f"{path}: {type(value).__name__} is not plain JSON data")
+
+
+def serialize_attrs(op: Any, node: Node) -> dict:
+    """``op.serialize(node)``, checked to be a dict of plain JSON data (ValueError if not)."""
+    data = op.serialize(node)
+    if not isinstance(data, dict):
+        raise ValueError(f"{op.name}.serialize returned {type(data).__name__}, expected a dict")
+    _check_json(data, f"{op.name}.serialize()")
+    return data
+
+
+def deserialize_attrs(op: Any, data: dict) -> dict:
+    """``op.deserialize(data)``, checked against the op's attribute schema (filled defaults,
+    copied values; ValueError/TypeError for anything that does not fit)."""
+    attrs = op.deserialize(data)
+    if not isinstance(attrs, dict):
+        raise TypeError(f"{op.name}.deserialize returned {type(attrs).__name__}, expected a "
+                        f"dict of attributes")
+    return normalize_attrs(op, attrs)

@@ -275,6 +275,14 @@ class GroupNorm:
         out.copy_(group_norm_silu_reference(x, w, b, node.params["groups"], node.params["eps"],
                                             silu=False))
 
+    def serialize(self, node) -> dict:
+        """Attributes for a saved plan: ``{"groups": int, "eps": float}``."""
+        return {"groups": node.params["groups"], "eps": node.params["eps"]}
+
+    def deserialize(self, data: dict) -> dict:
+        """The attributes of :meth:`serialize`'s data."""
+        return {"groups": data["groups"], "eps": data["eps"]}
+
 
 class GroupNormIdiom:
     """Rewrite rule ``group_norm``: GroupNorm alone as ``sd.group_norm.v1`` (module docstring)::

@@ -103,6 +103,16 @@ class RmsNorm:
         out.copy_(rms_norm_reference(x, w, node.params["eps"],
                                      node.params.get("weight_in_float", False)))
 
+    def serialize(self, node) -> dict:
+        """Attributes for a saved plan: ``{"eps": float, "weight_in_float": bool}``."""
+        return {"eps": node.params["eps"],
+                "weight_in_float": node.params.get("weight_in_float", False)}
+
+    def deserialize(self, data: dict) -> dict:
+        """The attributes of :meth:`serialize`'s data (``weight_in_float`` defaults to
+        False)."""
+        return {"eps": data["eps"], "weight_in_float": data.get("weight_in_float", False)}
+
 
 def _only_user(users: dict, node, user) -> bool:
     return users.get(node, []) == [user] and not node.is_output

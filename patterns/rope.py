@@ -120,6 +120,15 @@ class RopeApply:
         x, cos, sin = inputs
         out.copy_(rope_reference(x, cos, sin, node.params["mode"], node.params["n_rot"]))
 
+    def serialize(self, node) -> dict:
+        """Attributes for a saved plan: ``{"mode": str, "n_rot": int}``."""
+        return {"mode": node.params["mode"], "n_rot": node.params["n_rot"]}
+
+    def deserialize(self, data: dict) -> dict:
+        """The attributes of :meth:`serialize`'s data (the loader checks them against
+        ``attrs``; ``infer_meta`` checks the values)."""
+        return {"mode": data["mode"], "n_rot": data["n_rot"]}
+
 
 class RopeTables:
     """``sd.rope_tables.v1(freqs) {part}``: the cos (``part="cos"``) or sin (``"sin"``) table of
@@ -149,6 +158,14 @@ class RopeTables:
         part = torch.view_as_real(inputs[0])[..., 0 if node.params["part"] == "cos" else 1]
         pairs = out.view(*out.shape[:-1], -1, 2)
         pairs.copy_(part.unsqueeze(-1).expand(pairs.shape))
+
+    def serialize(self, node) -> dict:
+        """Attributes for a saved plan: ``{"part": "cos" | "sin"}``."""
+        return {"part": node.params["part"]}
+
+    def deserialize(self, data: dict) -> dict:
+        """The attributes of :meth:`serialize`'s data."""
+        return {"part": data["part"]}
 
 
 def _only_user(users: dict, node, user) -> bool:

@@ -45,6 +45,14 @@ class ScaledTanh:
         # the reference implementation doubles as the op's native kernel on any device
         out.copy_(reference(inputs[0], node.params["scale"]))
 
+    def serialize(self, node) -> dict:
+        """The serialize capability (saved plans): attributes as plain JSON data."""
+        return {"scale": node.params.get("scale", 1.0)}
+
+    def deserialize(self, data: dict) -> dict:
+        """Inverse of :meth:`serialize`; fxbackend checks the result against ``attrs``."""
+        return {"scale": data.get("scale", 1.0)}
+
 
 class ScaledTanhCPU:
     """CPU kernel: ``tanh`` straight into the output, then scaled in place (no temporary).
