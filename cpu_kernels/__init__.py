@@ -1,6 +1,7 @@
 """fxbackend.cpu_kernels: numba CPU kernels, one module per pattern family."""
 from . import (activation, gated_residual, groupnorm, modulation, rms_rope, rmsnorm,  # noqa: F401
                rope, scale_cast)
+from . import int8  # noqa: F401,E402
 
 import fxbackend as _fxb  # noqa: E402
 

@@ -3,4 +3,5 @@
 Importing this package registers every family through the public extension API.
 """
 from . import activation, gated_residual, groupnorm, modulation, rmsnorm, rope, scale_cast  # noqa: F401
+from . import int8  # noqa: F401,E402  (INT8 W8A8 ops)
 from . import quantize  # noqa: F401,E402  (the quantize option; its ops come from int8)

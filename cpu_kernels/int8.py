@@ -1,0 +1,486 @@
+"""INT8 W8A8 with ConvRot on the CPU: numba kernels for ``sd.quantize_i8_convrot.v1`` and
+``sd.linear_i8.v1`` (see ``patterns/int8.py`` for the maths, the evaluation order and the packed
+layout), with the integer GEMM through ``torch._int_mm``.
+
+Rotate + quantize (:func:`quantize_i8_convrot_cpu`, one parallel loop over rows, ``prange``):
+each row goes through two float32 row buffers: stage 0 of the rotation reads x (bf16/fp16 bits
+converted in registers) into the first, each later stage of ``rotate_reference`` (stride 4^j,
+blocks of 4^(j+1) features, which never cross a group because the group is a power of 4
+dividing K) reads one buffer and writes the other (so that LLVM sees no dependence between an
+inner loop's loads and stores); then ``amax`` and the codes: true float32 division
+``(r * 2^-k) / scale``, round-half-to-even as ``(v + 1.5 * 2^23) - 1.5 * 2^23`` (exact for
+``|v| < 2^22``; here ``|v| <= 127``), clamp, convert.  ``amax`` is the integer maximum of the
+bit patterns with the sign cleared (the float order for non-NaN values; an integer max
+reduction vectorises, a float one does not under strict IEEE), taken before the exact 2^-k
+scaling and scaled after (rounding is monotone, so it is the max of the scaled values).  Hot
+loops index with unsigned ints: numba then emits no negative-index wrap-around and LLVM
+vectorises them (with the two buffers and the integer amax: 4x faster than a first version
+with signed indices, one buffer and a float amax, on 256 x 1536 rows, group 256).  Any K
+divisible by the group works: the buffers hold one row whatever its length.  Padding rows of
+the packed layout are written as zeros with scale 0.0.  Strict IEEE float32 throughout
+(``fastmath=False``: no reassociation, no FMA contraction), so codes and scales are bit-equal
+to ``quantize_i8_convrot_reference``.
+
+Linear (:class:`LinearI8CPU`), three phases, each a whole pass over its data:
+1. ``x_kind="float"``: quantize x into the workspace, in the packed layout
+   (``packed_nbytes(M, K)`` bytes); ``packed``/``int8`` operands are read in place.
+   ``w_kind="float"``: the weight is quantized by the same kernel into the step's state when
+   its address or version counter differs from the last quantization (``patterns/int8.py``).
+2. ``torch._int_mm(q_x [M, K], q_w.T [K, N])`` (int8 x int8 -> int32, oneDNN/AMX or VNNI
+   here), written into the output's own storage reinterpreted as int32 (``out`` is float32
+   ``[M, N]``: the same bytes), so the accumulator needs no workspace.  Measured on a shared
+   2-core Xeon with AMX-INT8 and AVX512-VNNI (``scripts/bench_int8.py``, Flux/SD3 projections
+   at 1024 rows): ``torch._int_mm`` alone 5.5-8x faster than float32 ``F.linear``, the whole
+   step (quantize + GEMM + epilogue) 3.8-5.5x.  It is exact here: the tests check it against
+   a float64 product at the extremes of int8 (some int8 paths of older CPUs accumulate pairs
+   in saturating int16).
+3. the epilogue, one parallel pass over rows, in place (each int32 read before the float32 is
+   written to the same address, by the same iteration)::
+
+       out[m, n] = float32(acc[m, n]) * x_scale[m] * w_scale[n] + float32(bias[n])
+
+   left to right, each operation rounded (bit-exact to ``linear_i8_reference``).
+
+Cancellation: between the phases the step checks the running plan's cancel token
+(:func:`fxbackend.services.current_token`) and raises :class:`~fxbackend.services.Cancelled`,
+so ``Plan.cancel()`` stops a long layer after quantization or after the GEMM.
+
+``supports`` declines (the op's reference then runs natively, with the same result): K or N not
+divisible by 4, non-contiguous operands, scales that are not 1-D contiguous float32 of exactly
+M / N elements, a bias that is not 1-D contiguous ``[N]``, devices other than the CPU; the
+reason is :meth:`LinearI8CPU.why_not`.  Kernels compile at plan time (``compile``) and are
+cached on disk (``cpu_kernels/_numba.py``); the disk cache is keyed on this file (a change to
+rope's ``_load`` needs a change here or a cleared cache).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+import fxbackend
+from fxbackend import TensorMeta, services
+from fxbackend.patterns.int8 import (quantize_node_why_not, REGULAR_HADAMARD_GROUPS, check_linear, hadamard_stages,
+                                     WeightState, linear_srcs, packed_nbytes, padded_rows,
+                                     unpack)
+
+from . import _numba
+from . import rope as _rope
+from .rope import _NP_OF, _compile_lock, _flat, _load, _set_threads
+
+__all__ = ["quantize_i8_convrot_cpu", "quantize_rows_cpu", "linear_i8_cpu", "compile_kernels",
+           "QuantizeI8ConvRotCPU", "LinearI8CPU"]
+
+#: ``numba.prange`` once numba is imported (see ``cpu_kernels/_numba.py``); ``range`` until then
+prange = range
+#: 1.5 * 2^23: ``(v + _MAGIC) - _MAGIC`` rounds a float32 |v| < 2^22 to the nearest integer,
+#: ties to even (the float32 addition itself rounds so)
+_MAGIC = np.float32(12582912.0)
+_QMAX = np.float32(127.0)
+_ONE = np.float32(1.0)
+_ZERO = np.float32(0.0)
+_F32 = (torch.float32, torch.bfloat16, torch.float16)
+_U0, _U1, _U2, _U3, _U4 = (np.uint64(v) for v in (0, 1, 2, 3, 4))
+_ABS_BITS = np.uint32(0x7FFFFFFF)
+
+
+# -- numba kernels (plain Python, jitted lazily) --------------------------------------------------
+
+def _butterfly(a, b, c, d):
+    """``(a b c d) @ A`` in the fixed order of ``rotate_reference``."""
+    p = a + b
+    q = a - b
+    w = c + d
+    u = c - d
+    return p + u, p - u, q + w, w - q
+
+
+def _stage_1(x, dst, k):
+    """Stage 0 (stride 1) of the rotation: ``x`` (float32, or bf16/fp16 bits) -> ``dst``."""
+    for i in range(_U0, k, _U4):
+        dst[i], dst[i + _U1], dst[i + _U2], dst[i + _U3] = _butterfly(
+            _load(x, i), _load(x, i + _U1), _load(x, i + _U2), _load(x, i + _U3))
+
+
+def _stage(src, dst, k, s):
+    """A stage of stride ``s`` >= 4 of the rotation: ``src`` -> ``dst`` (two buffers, so that
+    LLVM sees no dependence between the loads and the stores of the inner loop)."""
+    for base in range(_U0, k, _U4 * s):
+        for j in range(base, base + s):
+            dst[j], dst[j + s], dst[j + _U2 * s], dst[j + _U3 * s] = _butterfly(
+                src[j], src[j + s], src[j + _U2 * s], src[j + _U3 * s])
+
+
+def _abs_max(b, k):
+    """``max |b[:k]|`` of a float32 array, as the integer maximum of the bit patterns with the
+    sign cleared: for non-NaN floats that order is the float order (a max is exact in any
+    order), and LLVM vectorises an integer max reduction but not a float one."""
+    bits = b.view(np.uint32)
+    m = np.uint32(0)
+    for i in range(k):
+        m = max(m, bits[i] & _ABS_BITS)
+    return np.uint32(m).view(np.float32)
+
+
+def _quantize_row(xr, b0, b1, qr, k, nst, inv):
+    """Rotate one row (stages ping-pong between ``b0`` and ``b1``), quantize it into ``qr``;
+    returns its scale.  ``amax`` is taken before the exact 2^-k scaling and scaled after:
+    rounding is monotone, so ``max|round(r * inv)| == round(max|r| * inv)``."""
+    if nst == 0:
+        for i in range(k):
+            b0[i] = _load(xr, i)
+        buf = b0
+    else:
+        _stage_1(xr, b0, k)
+        buf = b0
+        s = _U4
+        for _ in range(1, nst):
+            if buf is b0:
+                _stage(b0, b1, k, s)
+                buf = b1
+            else:
+                _stage(b1, b0, k, s)
+                buf = b0
+            s = s * _U4
+    scale = (_abs_max(buf, k) * inv) / _QMAX
+    if scale == _ZERO:
+        scale = _ONE
+    for i in range(k):
+        v = ((buf[i] * inv) / scale + _MAGIC) - _MAGIC
+        qr[i] = np.int8(min(max(v, -_QMAX), _QMAX))
+    return scale
+
+
+def _quantize_kernel(x, q, scales, m, mp, k, nst, inv):
+    """Rows ``0 .. mp-1`` in parallel: rows below ``m`` quantized from ``x`` (flat, row-major
+    ``[m, k]``), the rest zeros with scale 0.0.  Unsigned indices throughout: numba then emits
+    no negative-index wrap-around, and LLVM vectorises the loops."""
+    ku = np.uint64(k)
+    for row in prange(mp):
+        r = np.uint64(row)
+        qr = q[r * ku:(r + _U1) * ku]
+        if r < m:
+            b0 = np.empty(k, np.float32)
+            b1 = np.empty(k, np.float32)
+            scales[r] = _quantize_row(x[r * ku:(r + _U1) * ku], b0, b1, qr, ku, nst, inv)
+        else:
+            for i in range(ku):
+                qr[i] = 0
+            scales[r] = _ZERO
+
+
+def _epilogue_kernel(acc, out, xs, ws, b, m, n, has_b):
+    """``out = float32(acc) * xs[row] * ws + b`` row by row in parallel; ``acc`` (int32) and
+    ``out`` (float32) may be the same memory."""
+    nu = np.uint64(n)
+    for row in prange(m):
+        r = np.uint64(row)
+        a = acc[r * nu:(r + _U1) * nu]
+        o = out[r * nu:(r + _U1) * nu]
+        sx = xs[r]
+        if has_b:
+            for j in range(nu):
+                o[j] = (np.float32(a[j]) * sx) * ws[j] + _load(b, j)
+        else:
+            for j in range(nu):
+                o[j] = (np.float32(a[j]) * sx) * ws[j]
+
+
+def _build(numba) -> tuple:
+    _numba.inline(_butterfly, _stage_1, _stage, _abs_max, _quantize_row)
+    return _numba.njit(_quantize_kernel), _numba.njit(_epilogue_kernel)
+
+
+#: ``(quantize kernel, epilogue kernel)``, jitted once (each compiles per dtype on first call)
+_jit = _numba.once(globals(), _build, requires=(_rope._register,))
+
+
+def compile_kernels(x_dtype: torch.dtype | None = torch.float32,
+                    bias_dtype: torch.dtype | None = None, epilogue: bool = True) -> None:
+    """Compile (or load from the disk cache) the quantize kernel for ``x_dtype`` (None: not
+    needed) and the epilogue for ``bias_dtype`` (None: no bias), by calls with no rows on
+    exactly the types a launch passes.  Thread-safe (plans compile nodes in parallel)."""
+    quant, epi = _jit()
+    with _compile_lock:  # see rope's compile_kernels
+        if x_dtype is not None:
+            quant(np.zeros(0, _NP_OF[x_dtype]), np.zeros(0, np.int8), np.zeros(0, np.float32),
+                  0, 0, 4, 1, np.float32(0.5))
+        if epilogue:
+            b = np.zeros(0, _NP_OF[bias_dtype or torch.float32])
+            epi(np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros(0, np.float32),
+                np.zeros(0, np.float32), b, 0, 4, bias_dtype is not None)
+
+
+# -- launchers ----------------------------------------------------------------------------------
+
+def quantize_rows_cpu(x: torch.Tensor, group: int, q: torch.Tensor, scales: torch.Tensor,
+                      m: int, mp: int) -> None:
+    """Quantize the ``m`` rows of the contiguous float ``x`` (``[..., K]``) into ``q`` (int8,
+    ``mp * K`` elements, contiguous) and ``scales`` (float32, ``mp``): the numba kernel, no
+    checks (the callers check)."""
+    k = x.shape[-1]
+    if mp == 0:
+        return
+    nst = hadamard_stages(group)
+    quant, _ = _jit()
+    _set_threads()
+    quant(_flat(x, m * k), _flat(q, mp * k), _flat(scales, mp), m, mp, k, nst,
+          np.float32(2.0 ** -nst))
+
+
+def _quantize_packed(x: torch.Tensor, group: int, packed: torch.Tensor, m: int, k: int) -> None:
+    mp = padded_rows(m)
+    scales = packed[mp * k: mp * k + 4 * mp].view(torch.float32)
+    quantize_rows_cpu(x, group, packed[:mp * k], scales, m, mp)
+
+
+def quantize_i8_convrot_cpu(x: torch.Tensor, group: int = 1,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """``sd.quantize_i8_convrot.v1(x) {group}`` with the numba kernel: the packed layout (in
+    ``out`` when given: a contiguous 1-D int8 tensor of ``packed_nbytes(M, K)`` bytes whose
+    storage offset is a multiple of 4).  ``x``: contiguous float32/bf16/fp16 CPU tensor.
+    ValueError for inputs the kernel does not take."""
+    why = _why_not_quantize(TensorMeta.of(x), group) if isinstance(x, torch.Tensor) else \
+        "x is not a tensor"
+    if why is not None:
+        raise ValueError(f"quantize_i8_convrot_cpu: unsupported input: {why}")
+    k = x.shape[-1]
+    m = x.numel() // k
+    nb = packed_nbytes(m, k)
+    if out is None:
+        out = torch.empty(nb, dtype=torch.int8)
+    elif out.dtype != torch.int8 or tuple(out.shape) != (nb,) or not out.is_contiguous() or \
+            out.storage_offset() % 4 or out.device.type != "cpu":
+        raise ValueError(f"quantize_i8_convrot_cpu: out must be a contiguous 1-D int8 CPU "
+                         f"tensor of {nb} bytes at a storage offset divisible by 4")
+    _quantize_packed(x, group, out, m, k)
+    return out
+
+
+def _check_cancelled() -> None:
+    """Raise Cancelled when the running plan was cancelled (between the phases of a step)."""
+    token = services.current_token()
+    if token is not None and token.cancelled:
+        raise services.Cancelled("the plan was cancelled")
+
+
+def _epilogue(acc: torch.Tensor, out: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor,
+              bias: torch.Tensor | None, m: int, n: int) -> None:
+    if m == 0 or n == 0:
+        return
+    _, epi = _jit()
+    _set_threads()
+    b = _flat(bias, n) if bias is not None else np.zeros(0, np.float32)
+    epi(_flat(acc, m * n), _flat(out, m * n), _flat(xs, m), _flat(ws, n), b, m, n,
+        bias is not None)
+
+
+def _linear(x_kind: str, group: int, M: int, K: int, N: int, x, x_scale, qw, ws, bias,
+            out: torch.Tensor, workspace: torch.Tensor | None) -> None:
+    """Phases 1 (activations) to 3 of the module docstring into ``out`` (float32, contiguous,
+    M * N elements); ``qw``/``ws`` the int8 weight and its scales."""
+    if M == 0:
+        return
+    if x_kind == "float":
+        nb = packed_nbytes(M, K)
+        buf = (workspace[:nb].view(torch.int8) if workspace is not None and
+               workspace.numel() >= nb else torch.empty(nb, dtype=torch.int8))
+        _quantize_packed(x, group, buf, M, K)
+        qx, xs = unpack(buf, M, K)
+    elif x_kind == "packed":
+        qx, xs = unpack(x, M, K)
+    else:
+        qx, xs = x.view(M, K), x_scale
+    _check_cancelled()
+    acc = out.view(torch.int32).view(M, N)
+    torch._int_mm(qx, qw.t(), out=acc)
+    _check_cancelled()
+    _epilogue(acc, out, xs, ws, bias, M, N)
+
+
+def linear_i8_cpu(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                  x_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
+                  x_kind: str, group: int = 1, m: int = -1, lead: tuple = (),
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """``sd.linear_i8.v1 {w_kind="int8"}`` with this file's kernels (direct calls and
+    benchmarks): returns ``out`` (float32 ``lead + (N,)``, allocated when None).  A float
+    weight is quantized ahead of time with ``quantize_weight_i8_reference``.  ValueError for
+    inputs the kernels do not take (the reasons of :meth:`LinearI8CPU.why_not`)."""
+    metas = [None if t is None else TensorMeta.of(t) for t in (x, w, w_scale, x_scale, bias)]
+    try:
+        M, K, N, lead_out = check_linear(*metas, x_kind=x_kind, w_kind="int8", group=group,
+                                         m=m, lead=lead, who="linear_i8_cpu")
+    except ValueError as e:
+        raise ValueError(str(e)) from None
+    why = _why_not_linear(*metas, x_kind, "int8", M, K, N)
+    if why is not None:
+        raise ValueError(f"linear_i8_cpu: unsupported input: {why}")
+    shape = tuple(lead_out) + (N,)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32)
+    elif tuple(out.shape) != shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"linear_i8_cpu: out must be a contiguous float32 tensor of shape "
+                         f"{shape}")
+    _linear(x_kind, group, M, K, N, x, x_scale, w, w_scale, bias, out, None)
+    return out
+
+
+# -- support checks (metadata only, never raise) --------------------------------------------------
+
+def _why_not_quantize(x: Any, group: Any) -> str | None:
+    if not isinstance(x, TensorMeta) or x.is_symbolic:
+        return "x is not a concrete tensor"
+    if x.device.type != "cpu":
+        return f"x is on {x.device}"
+    if x.dtype not in _F32:
+        return f"x dtype {x.dtype} (float32, bfloat16 or float16)"
+    if group not in REGULAR_HADAMARD_GROUPS or isinstance(group, bool):
+        return f"group {group!r}"
+    if not x.shape or x.shape[-1] == 0 or x.shape[-1] % group:
+        return f"x shape {tuple(x.shape)} (last dim a positive multiple of {group})"
+    if not x.is_contiguous:
+        return "x is not contiguous"
+    return None
+
+
+def _is_vector(t: Any, n: int) -> bool:
+    return isinstance(t, TensorMeta) and tuple(t.shape) == (n,) and t.is_contiguous
+
+
+def _why_not_linear(x, w, w_scale, x_scale, bias, x_kind, w_kind, M, K, N) -> str | None:
+    """Reasons of :meth:`LinearI8CPU.why_not` on checked operands (None: supported)."""
+    for name, t in (("x", x), ("w", w), ("w_scale", w_scale), ("x_scale", x_scale),
+                    ("bias", bias)):
+        if t is None:
+            continue
+        if not isinstance(t, TensorMeta) or t.is_symbolic:
+            return f"{name} is not a concrete tensor"
+        if t.device.type != "cpu":
+            return f"{name} is on {t.device}"
+    if K % 4 or N % 4:
+        return f"K={K} and N={N} must be multiples of 4"
+    if not x.is_contiguous or not w.is_contiguous:
+        return "x and w must be contiguous"
+    if w_scale is not None and (w_scale.dtype != torch.float32 or not _is_vector(w_scale, N)):
+        return f"w_scale must be float32 [{N}] contiguous, got {w_scale.short()}"
+    if x_scale is not None and (x_scale.dtype != torch.float32 or not _is_vector(x_scale, M)):
+        return f"x_scale must be float32 [{M}] contiguous, got {x_scale.short()}"
+    if bias is not None and (bias.dtype not in _F32 or not _is_vector(bias, N)):
+        return f"bias must be [{N}] contiguous, got {bias.short()}"
+    if x_kind == "packed" and x.storage_offset % 4:
+        return "packed x's storage offset is not a multiple of 4"
+    return None
+
+
+def linear_why_not(node) -> str | None:
+    """None when :class:`LinearI8CPU` computes ``node`` (an ``sd.linear_i8.v1`` node), else the
+    reason.  Metadata only; never raises."""
+    try:
+        p = node.params
+        s = linear_srcs([n.meta for n in node.srcs], p)
+        M, K, N, lead = check_linear(**s, x_kind=p["x_kind"], w_kind=p["w_kind"],
+                                     group=p["group"], m=p["m"], lead=p["lead"])
+        out = node.meta
+        if not isinstance(out, TensorMeta) or out.dtype != torch.float32 or \
+                tuple(out.shape) != tuple(lead) + (N,) or not out.is_contiguous:
+            return "output metadata"
+        return _why_not_linear(s["x"], s["w"], s["w_scale"], s["x_scale"], s["bias"],
+                               p["x_kind"], p["w_kind"], M, K, N)
+    except Exception as exc:  # never raise: decline
+        return f"node not understood ({type(exc).__name__}: {exc})"
+
+
+# -- registry kernels -----------------------------------------------------------------------------
+
+class QuantizeI8ConvRotCPU:
+    """The numba kernel for ``sd.quantize_i8_convrot.v1``: contiguous float32/bf16/fp16 x, any
+    K divisible by the group.  Workspace: none."""
+
+    name = "quantize_i8_convrot_cpu"
+    op = "sd.quantize_i8_convrot.v1"
+
+    def why_not(self, node) -> str | None:
+        """None when this kernel computes ``node``, else the reason (never raises)."""
+        return quantize_node_why_not(node, _why_not_quantize)
+
+    def supports(self, node) -> bool:
+        return self.why_not(node) is None
+
+    def compile(self, node) -> None:
+        compile_kernels(node.srcs[0].meta.dtype, epilogue=False)
+
+    def execute(self, ctx, node, state, inputs, out, workspace) -> None:
+        x = inputs[0]
+        if not x.is_contiguous():  # other strides than planned (the Dynamo path): stay right
+            x = x.contiguous()
+        k = x.shape[-1]
+        _quantize_packed(x, node.params["group"], out, x.numel() // k, k)
+
+
+class _LinearState:
+    """Per-step state: the shapes, and for ``w_kind="float"`` the weight this step quantized
+    (``weight``: a :class:`~fxbackend.patterns.int8.WeightState`)."""
+
+    __slots__ = ("M", "K", "N", "weight")
+
+    def __init__(self, M: int, K: int, N: int, w_kind: str) -> None:
+        self.M, self.K, self.N = M, K, N
+        self.weight = WeightState(N, K, torch.device("cpu")) if w_kind == "float" else None
+
+
+def _quantize_weight(w: torch.Tensor, group: int, w_i8: torch.Tensor,
+                     w_scale: torch.Tensor) -> None:
+    n = w.shape[0]
+    quantize_rows_cpu(w, group, w_i8, w_scale, n, n)
+
+
+class LinearI8CPU:
+    """``sd.linear_i8.v1`` on the CPU: numba quantize (x_kind float; w_kind float into the
+    state), ``torch._int_mm``, numba epilogue (module docstring).  Workspace: the packed x
+    (``packed_nbytes(M, K)`` bytes) for ``x_kind="float"``, else none."""
+
+    name = "linear_i8_cpu"
+    op = "sd.linear_i8.v1"
+
+    def why_not(self, node) -> str | None:
+        """None when this kernel computes ``node``, else the reason (never raises)."""
+        return linear_why_not(node)
+
+    def supports(self, node) -> bool:
+        return linear_why_not(node) is None
+
+    def compile(self, node) -> None:
+        p = node.params
+        s = linear_srcs([n.meta for n in node.srcs], p)
+        if p["x_kind"] == "float":
+            compile_kernels(s["x"].dtype, None, epilogue=False)
+        if p["w_kind"] == "float":
+            compile_kernels(s["w"].dtype, None, epilogue=False)
+        compile_kernels(None, None if s["bias"] is None else s["bias"].dtype)
+
+    def prepare(self, node) -> tuple:
+        p = node.params
+        s = linear_srcs([n.meta for n in node.srcs], p)
+        M, K, N, _ = check_linear(**s, x_kind=p["x_kind"], w_kind=p["w_kind"],
+                                  group=p["group"], m=p["m"], lead=p["lead"])
+        ws = packed_nbytes(M, K) if p["x_kind"] == "float" else 0
+        return _LinearState(M, K, N, p["w_kind"]), ws
+
+    def execute(self, ctx, node, state, inputs, out, workspace) -> None:
+        p = node.params
+        s = linear_srcs(inputs, p)
+        x = s["x"]
+        if not x.is_contiguous():  # other strides than planned (the Dynamo path): stay right
+            x = x.contiguous()
+        if p["w_kind"] == "float":
+            qw, ws = state.weight.get(s["w"], p["group"], _quantize_weight)
+            _check_cancelled()
+        else:
+            qw, ws = s["w"], s["w_scale"]
+        _linear(p["x_kind"], p["group"], state.M, state.K, state.N, x, s["x_scale"], qw, ws,
+                s["bias"], out, workspace)
+
+
+fxbackend.register_kernel("cpu", QuantizeI8ConvRotCPU)
+fxbackend.register_kernel("cpu", LinearI8CPU)
