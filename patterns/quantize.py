@@ -9,13 +9,17 @@ The chain, as ATen gives a ``torch.nn.Linear`` on 2-D rows::
 
 becomes (rule ``quantize_w8a8``; a rule that runs only when the option asks for it)::
 
-    # addmm(bias, x, t(W)) | mm(x, t(W))  =>  sd.linear_i8.v1(x, W[, bias]) {x_kind=float, w_kind=float}
+    # addmm(bias, x, t(W)) | mm(x, t(W))
+    #   =>  q = sd.quantize_i8_convrot.v1(x) {group}          one per x, shared by its linears
+    #       sd.linear_i8.v1(q, W[, bias]) {x_kind=packed, w_kind=float, group, m=M, lead=(M,)}
 
-The step quantizes x per row (after the ConvRot rotation of ``convrot_group`` features, the same
-rotation applied to W along K, so ``x W^T = (x H)(W H)^T``), runs the integer GEMM and scales the
-int32 result by both scales.  Its kernel quantizes W once per plan and again when W changes in
-place (its version counter moves: a LoRA swap, ``update_weights``), so the weight stays a float
-graph input and nothing else in the plan changes.
+x is rotated (ConvRot, ``convrot_group`` features) and quantized per row once, however many
+linears read it (Q, K and V projections share one), and each linear runs the integer GEMM and
+scales the int32 result by both scales; the same rotation is applied to W along K, so
+``x W^T = (x H)(W H)^T``.  The linear's kernel quantizes W once per plan and again when W changes
+in place (its version counter moves: a LoRA swap, ``update_weights``), so the weight stays a
+float graph input and nothing else in the plan changes.  The explicit quantize step is also
+what the fusions feeding the quantizer (a norm, an activation before it) claim.
 
 Eligible: W a weight input (``is_weight``: a parameter or buffer, not an activation), 2-D float32
 on the same device as x, x a 2-D float32 [M, K], K and N multiples of 4, K a multiple of the
@@ -28,10 +32,12 @@ import torch
 
 import fxbackend
 from fxbackend import Node, TensorMeta
+from fxbackend.ir import storage_root
 
 __all__ = ["QuantizeW8A8", "linear_parts", "why_not_quantize"]
 
 _LINEAR_I8 = "sd.linear_i8.v1"
+_QUANTIZE = "sd.quantize_i8_convrot.v1"
 
 
 def linear_parts(n: Node) -> tuple[Node, Node, Node | None] | None:
@@ -87,6 +93,16 @@ def why_not_quantize(n: Node, x: Node, w: Node, bias: Node | None, group: int) -
         return f"metadata not understood ({type(exc).__name__}: {exc})"
 
 
+def _value_key(x: Node):
+    """Equal for nodes holding the same values: each linear reads its input through a view of
+    its own (``view(h, [M, K])``), so views of one storage with equal shape, strides and offset
+    are one value (nothing in between writes into a functional graph's storage in place)."""
+    if x.view_of is None:
+        return x
+    m = x.meta
+    return (storage_root(x), tuple(m.shape), tuple(m.stride), m.storage_offset, m.dtype)
+
+
 class QuantizeW8A8:
     """Rewrite rule ``quantize_w8a8`` (see the module docstring); active only with the option
     ``quantize="w8a8"``."""
@@ -103,6 +119,7 @@ class QuantizeW8A8:
             return 0
         group = ctx.options.convrot_group
         done = 0
+        quantized: dict = {}  # x -> its quantize node (placed before x's first eligible linear)
         for n in list(graph.nodes):
             parts = linear_parts(n)
             if parts is None:
@@ -112,10 +129,18 @@ class QuantizeW8A8:
             if why is not None:
                 ctx.decline(n, why)
                 continue
-            srcs = [x, w] + ([bias] if bias is not None else [])
+            key = _value_key(x)
+            q = quantized.get(key)
+            if q is None:
+                before = graph.nodes[graph.nodes.index(n) - 1]
+                q = quantized[key] = fxbackend.op_create(graph, _QUANTIZE, [x], {"group": group},
+                                                         after=before)
+            m = x.meta.shape[0]
+            srcs = [q, w] + ([bias] if bias is not None else [])
             new = fxbackend.op_create(graph, _LINEAR_I8, srcs,
-                                      {"x_kind": "float", "w_kind": "float", "group": group,
-                                       "has_bias": bias is not None}, after=n)
+                                      {"x_kind": "packed", "w_kind": "float", "group": group,
+                                       "m": m, "lead": (m,), "has_bias": bias is not None},
+                                      after=n)
             fxbackend.replace_uses(graph, n, new)
             done += 1
         return done

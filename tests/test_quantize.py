@@ -1,0 +1,118 @@
+"""The ``quantize`` option (patterns/quantize.py): eligible linears become one shared
+``sd.quantize_i8_convrot.v1`` per input plus ``sd.linear_i8.v1`` steps, ineligible ones stay in
+float with the reason in the plan's report, and a weight changed in place is re-quantized."""
+from __future__ import annotations
+
+import io
+import contextlib
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxbackend
+import fxbackend.models
+from fxbackend.patterns.int8 import linear_i8_reference, quantize_i8_convrot_reference
+
+
+class _Attn(nn.Module):
+    """Three projections of one normalised input, a projection whose K is not a multiple of the
+    group, and one whose weight is a user input (not a parameter)."""
+
+    def __init__(self, d=64, odd=36):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d, bias=False)
+        self.odd = nn.Linear(odd, d)
+
+    def forward(self, x, y, w_user):
+        h = self.norm(x)
+        a = self.q(h) * self.k(h) + self.v(h)
+        return a + self.odd(y) + y[..., :4].sum() + torch.nn.functional.linear(a, w_user)
+
+
+def _inputs(seed=0, d=64, odd=36):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(2, 5, d, generator=g), torch.randn(2, 5, odd, generator=g),
+            torch.randn(d, d, generator=g) * 0.1)
+
+
+def _explain(model, args, **opts):
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        fxbackend.explain(model, *args, options=opts)
+    return buf.getvalue()
+
+
+def test_shared_quantize_per_input_and_declines_with_reasons():
+    torch.manual_seed(0)
+    m = _Attn().eval()
+    args = _inputs()
+    text = _explain(m, args, quantize="w8a8", convrot_group=16)
+    steps = [ln for ln in text.splitlines() if ln.startswith("%")]
+    assert sum("sd.quantize_i8_convrot.v1" in ln for ln in steps) == 1  # q, k, v share one
+    assert sum("sd.linear_i8.v1" in ln for ln in steps) == 3
+    assert "K=36 is not a multiple of convrot_group=16" in text
+    assert "is a user input, not a parameter or buffer" in text
+    with torch.no_grad():
+        ref = m(*args)
+        out = torch.compile(m, backend="fxbackend",
+                            options={"quantize": "w8a8", "convrot_group": 16})(*args)
+    cos = torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0).item()
+    assert cos > 0.999
+
+
+def test_quantized_step_equals_the_references():
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32).eval()
+    x = torch.randn(7, 64)
+    with torch.no_grad():
+        out = torch.compile(lin, backend="fxbackend",
+                            options={"quantize": "w8a8", "convrot_group": 64})(x)
+    packed = quantize_i8_convrot_reference(x, 64)
+    want = linear_i8_reference(packed, lin.weight, bias=lin.bias, x_kind="packed",
+                               w_kind="float", group=64, m=7, lead=(7,))
+    assert torch.equal(out, want)
+
+
+def test_without_the_option_nothing_is_quantized():
+    m = _Attn().eval()
+    text = _explain(m, _inputs())
+    assert "linear_i8" not in text and "quantize_w8a8" not in text
+
+
+def test_in_place_weight_update_is_requantized_like_a_fresh_compile():
+    torch.manual_seed(0)
+    model = fxbackend.models.build_model("flux", "tiny")
+    inputs = fxbackend.models.make_inputs("flux", "tiny")
+    opts = {"quantize": "w8a8", "convrot_group": 16}
+    with torch.no_grad():
+        fn = torch.compile(model, backend="fxbackend", options=opts)
+        before = fxbackend.models.run_eager(fn, inputs)[0].clone()
+        w = model.transformer_blocks[0].attn.to_q.weight  # a LoRA-style swap, in place
+        w.copy_(w * 0.5 + 0.01)
+        after = fxbackend.models.run_eager(fn, inputs)[0]
+        torch._dynamo.reset()
+        fresh = fxbackend.models.run_eager(torch.compile(model, backend="fxbackend",
+                                                         options=opts), inputs)[0]
+    assert not torch.equal(before, after)
+    assert torch.equal(after, fresh)
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_tiny_models_quantize_every_linear_and_stay_close(family):
+    model = fxbackend.models.build_model(family, "tiny")
+    inputs = fxbackend.models.make_inputs(family, "tiny")
+    with torch.no_grad():
+        ref = fxbackend.models.run_eager(model, inputs)[0]
+        fxbackend.reset_stats()
+        out = fxbackend.models.run_eager(
+            torch.compile(model, backend="fxbackend",
+                          options={"quantize": "w8a8", "convrot_group": 16}), inputs)[0]
+    s = fxbackend.stats()
+    n_linear = sum(isinstance(mod, nn.Linear) for mod in model.modules())
+    assert s["rewrites_by_rule"]["quantize_w8a8"] == n_linear
+    assert s["steps_by_kernel"]["linear_i8_cpu"] == n_linear
+    assert s["steps_by_kernel"]["quantize_i8_convrot_cpu"] < n_linear  # shared by Q, K, V
+    cos = torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0).item()
+    assert cos > 0.999
