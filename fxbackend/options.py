@@ -40,8 +40,9 @@ class Options:
     - ``quantize``: ``"w8a8"`` rewrites eligible linear layers (float32 weights that are graph
       inputs) into INT8 ``sd.linear_i8.v1`` steps (``FXB_QUANTIZE=w8a8``); None: off.  The
       plan's report names each layer left in float and why.
-    - ``convrot_group``: the ConvRot rotation group of ``quantize`` (1, 4, 16, 64 or 256;
-      1 = no rotation; default 256).
+    - ``convrot_group``: the largest ConvRot rotation group of ``quantize`` (1, 4, 16, 64 or
+      256; 1 = no rotation; default 256); a layer whose K it does not divide takes the largest
+      smaller group that does.
     - ``eval_callback``: ``fn(node, value)`` called after every step (a profiling or debugging
       hook that must see every node: it turns fusion off).  ``value`` may be a view of arena
       storage that later steps reuse: valid during the callback only (clone to keep it).

@@ -22,8 +22,10 @@ float graph input and nothing else in the plan changes.  The explicit quantize s
 what the fusions feeding the quantizer (a norm, an activation before it) claim.
 
 Eligible: W a weight input (``is_weight``: a parameter or buffer, not an activation), 2-D float32
-on the same device as x, x a 2-D float32 [M, K], K and N multiples of 4, K a multiple of the
-group, a 1-D bias [N] of float32, addmm's beta and alpha 1.  Every other linear stays in float
+on the same device as x, x a 2-D float32 [M, K], K and N multiples of 4, a 1-D bias [N] of
+float32, addmm's beta and alpha 1.  The group of a layer is the largest ConvRot group up to
+``convrot_group`` that divides its K (:func:`group_for`: Flux's K = 3072 takes 256, a K of 384
+takes 64), so every eligible layer is rotated as much as its width allows.  Every other linear stays in float
 and the plan's report says why (``rewrite quantize_w8a8 declined on %n: ...``).
 """
 from __future__ import annotations
@@ -34,7 +36,7 @@ import fxbackend
 from fxbackend import Node, TensorMeta
 from fxbackend.ir import storage_root
 
-__all__ = ["QuantizeW8A8", "linear_parts", "why_not_quantize"]
+__all__ = ["QuantizeW8A8", "linear_parts", "why_not_quantize", "group_for"]
 
 _LINEAR_I8 = "sd.linear_i8.v1"
 _QUANTIZE = "sd.quantize_i8_convrot.v1"
@@ -57,7 +59,13 @@ def linear_parts(n: Node) -> tuple[Node, Node, Node | None] | None:
     return x, w, bias
 
 
-def why_not_quantize(n: Node, x: Node, w: Node, bias: Node | None, group: int) -> str | None:
+def group_for(k: int, group: int) -> int:
+    """The largest ConvRot group ``<= group`` dividing ``k`` (1 when none but 1 does)."""
+    from fxbackend.options import CONVROT_GROUPS
+    return max(g for g in CONVROT_GROUPS if g <= group and k % g == 0)
+
+
+def why_not_quantize(n: Node, x: Node, w: Node, bias: Node | None) -> str | None:
     """None when the linear ``n`` can become an INT8 step, else why not (never raises)."""
     try:
         if not w.is_weight:
@@ -78,8 +86,6 @@ def why_not_quantize(n: Node, x: Node, w: Node, bias: Node | None, group: int) -
             return f"K mismatch {k} vs {k2}"
         if k % 4 or nn % 4:
             return f"K={k} and N={nn} must be multiples of 4"
-        if k % group:
-            return f"K={k} is not a multiple of convrot_group={group}"
         if bias is not None:
             bm = bias.meta
             if not isinstance(bm, TensorMeta) or tuple(bm.shape) != (nn,) \
@@ -125,20 +131,21 @@ class QuantizeW8A8:
             if parts is None:
                 continue
             x, w, bias = parts
-            why = why_not_quantize(n, x, w, bias, group)
+            why = why_not_quantize(n, x, w, bias)
             if why is not None:
                 ctx.decline(n, why)
                 continue
-            key = _value_key(x)
+            g = group_for(x.meta.shape[1], group)
+            key = (_value_key(x), g)
             q = quantized.get(key)
             if q is None:
                 before = graph.nodes[graph.nodes.index(n) - 1]
-                q = quantized[key] = fxbackend.op_create(graph, _QUANTIZE, [x], {"group": group},
+                q = quantized[key] = fxbackend.op_create(graph, _QUANTIZE, [x], {"group": g},
                                                          after=before)
             m = x.meta.shape[0]
             srcs = [q, w] + ([bias] if bias is not None else [])
             new = fxbackend.op_create(graph, _LINEAR_I8, srcs,
-                                      {"x_kind": "packed", "w_kind": "float", "group": group,
+                                      {"x_kind": "packed", "w_kind": "float", "group": g,
                                        "m": m, "lead": (m,), "has_bias": bias is not None},
                                       after=n)
             fxbackend.replace_uses(graph, n, new)

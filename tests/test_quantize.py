@@ -50,9 +50,11 @@ def test_shared_quantize_per_input_and_declines_with_reasons():
     args = _inputs()
     text = _explain(m, args, quantize="w8a8", convrot_group=16)
     steps = [ln for ln in text.splitlines() if ln.startswith("%")]
-    assert sum("sd.quantize_i8_convrot.v1" in ln for ln in steps) == 1  # q, k, v share one
-    assert sum("sd.linear_i8.v1" in ln for ln in steps) == 3
-    assert "K=36 is not a multiple of convrot_group=16" in text
+    quantizes = [ln for ln in steps if "sd.quantize_i8_convrot.v1" in ln]
+    # q, k, v share one (group 16); odd's K = 36 takes the largest group dividing it, 4
+    assert len(quantizes) == 2
+    assert "{group=16}" in quantizes[0] and "{group=4}" in quantizes[1]
+    assert sum("sd.linear_i8.v1" in ln for ln in steps) == 4
     assert "is a user input, not a parameter or buffer" in text
     with torch.no_grad():
         ref = m(*args)
@@ -116,3 +118,10 @@ def test_tiny_models_quantize_every_linear_and_stay_close(family):
     assert s["steps_by_kernel"]["quantize_i8_convrot_cpu"] < n_linear  # shared by Q, K, V
     cos = torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0).item()
     assert cos > 0.999
+
+
+@pytest.mark.parametrize("k,group,want", [(3072, 256, 256), (384, 256, 64), (36, 256, 4),
+                                          (3072, 16, 16), (6, 256, 1), (1920, 1, 1)])
+def test_group_for_takes_the_largest_group_dividing_k(k, group, want):
+    from fxbackend.patterns.quantize import group_for
+    assert group_for(k, group) == want
