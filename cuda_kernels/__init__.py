@@ -3,6 +3,7 @@
 from . import (activation, gated_residual, groupnorm, modulation, rms_rope, rmsnorm,  # noqa: F401
                rope, scale_cast)
 from . import int8  # noqa: F401,E402
+from . import int8_fusions  # noqa: F401,E402
 
 
 def _import_triton() -> None:

@@ -4,4 +4,5 @@ Importing this package registers every family through the public extension API.
 """
 from . import activation, gated_residual, groupnorm, modulation, rmsnorm, rope, scale_cast  # noqa: F401
 from . import int8  # noqa: F401,E402  (INT8 W8A8 ops)
+from . import int8_fusions  # noqa: F401,E402  (fusions around the INT8 ops)
 from . import quantize  # noqa: F401,E402  (the quantize option; its ops come from int8)

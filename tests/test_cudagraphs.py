@@ -73,7 +73,13 @@ def test_every_registered_cuda_kernel_of_the_project_declares_capture_safety():
                 "fxbackend.cuda_kernels")]
     assert len(ours) >= 7
     for r in ours:
-        assert is_capture_safe(r), r
+        assert hasattr(r.impl, "capture_safe"), f"{r.impl.name}: no capture_safe declaration"
+        if not r.impl.__module__.endswith("int8_fusions"):
+            assert is_capture_safe(r), r
+    # the integer-GEMM rules re-quantize a float weight after a host-side version check
+    assert [r.impl.name for r in ours if not is_capture_safe(r)] == \
+        [r.impl.name for r in ours if r.impl.__module__.endswith("int8_fusions")
+         and getattr(r.impl, "capture_safe") is False]
     for name in ("sd.rms_norm.v1", "sd.rope_apply.v1", "sd.group_norm.v1"):
         for k in registry.kernels_for("cuda", name):
             assert is_capture_safe(k), k

@@ -1,0 +1,853 @@
+"""The INT8 fusions on the CPU (``patterns/int8_fusions.py``): numba kernels registered at the
+bottom as the implementations of ``int8_gated_residual``, ``int8_linear_act_quantize``,
+``modulation_quantize``, ``rms_norm_quantize``, ``act_quantize`` and ``scale_quantize`` for
+"cpu".
+
+Every kernel reuses the jitted helpers of the kernels whose chain it fuses, so that each value
+is computed by the same code in the same order (strict IEEE float32, ``fastmath=False``: no
+FMA contraction, no reassociation except the norm sums that the norm kernels themselves
+compile with ``reassoc``):
+
+- the quantize step: ``cpu_kernels/int8.py``'s ``_quantize_row`` (the rotation's butterfly
+  stages, the integer-bits amax, the true division and round-half-even of the codes);
+- ``modulation_quantize``: ``cpu_kernels/modulation.py``'s ``_row_offsets``, ``_sum``,
+  ``_sum_dev_sq`` and ``_modulate`` (its two-pass statistics over a float32 scratch row);
+- ``rms_norm_quantize``: ``cpu_kernels/rmsnorm.py``'s ``_inv_rms`` and ``_normed``;
+- ``int8_gated_residual``: ``cpu_kernels/int8.py``'s epilogue formula and
+  ``cpu_kernels/gated_residual.py``'s ``_row_unit``/``_row_strided``;
+- ``act_quantize``: ``cpu_kernels/activation.py``'s ``_gelu_tanh``, ``_gelu_erf``, ``_silu`` and
+  ``_expf`` (sigmoid here: ``1 / (1 + exp(-x))`` with that ``_expf``).
+
+Maths.  ``int8_gated_residual``, per output row r (b, s) and feature n, after
+``torch._int_mm(q_x, q_w.T)`` wrote the int32 accumulator (into the output's own storage when
+the output is contiguous, else into workspace)::
+
+    y[n]   = (float32(acc[r, n]) * x_scale[r]) * w_scale[n] + float32(bias[n])   -> scratch row
+    t      = y * float32(s) | y / float32(s) | y
+    out    = residual + gate * t                          (each op rounded to float32)
+
+``int8_linear_act_quantize`` computes the same ``y`` row from an accumulator in workspace, then
+``round(act(y))`` and the quantize step below, so the float [M, N] hidden of a feed-forward is
+never written (measured 1.12x over ``sd.linear_i8.v1`` + ``fused.act_quantize`` at Flux's and
+SD3's FF-up sizes, 1024 rows, 2 threads).
+
+The first line is one pass over the accumulator row into a per-task float32 scratch row (L1),
+the rest ``gated_residual``'s row functions over that scratch, so the accumulator row is read
+completely before any output of the row is written (in place is safe).  Traffic per element:
+read the int32, read the residual (the gate row stays in cache), write the output, against the
+unfused chain's write + read of the float linear output per native op.
+
+The quantize-feeding kernels compute, per row of the quantized tensor, the float32 values of the
+chain into a scratch row (each value rounded to the chain's dtype T where the chain rounds it:
+the identity for float32), then quantize that row::
+
+    modulation_quantize:  v = round_T(round_T(n * round_T(s [+ c])) + shift),
+                          n = round_T((x - mean) * rstd)
+    rms_norm_quantize:    v = round_out(round_w(x * r) * w)  |  round_T(x * r)
+    act_quantize:         v = round_T(act(x)) [; v = round_T(v * b)]
+    scale_quantize:       v = round_T(x * float32(s))  |  round_T(x / float32(s))
+    codes, scale:         _quantize_row(v)  (rotation by the regular Hadamard matrix, amax/127)
+
+so the packed output equals the unfused kernels' (the norm or activation kernel's T output,
+then ``quantize_i8_convrot_cpu``) bit for bit.  Rows ``M .. Mp-1`` of the packed layout are zeros
+with scale 0.0.  The float [rows, C] tensor is never written: per element the fused step reads
+x (and the multiplier) and writes one int8 code, where the unfused pair also writes the float
+value and reads it back (4 + 4 bytes per element for float32, 2 + 2 for a 16-bit T).
+
+Layout: x (and scale/shift, or the multiplier) through a row table of their merged leading
+dims (``modulation._rows``: any strides, broadcast dims stride 0), features through their own
+stride; rms_norm_quantize through ``rmsnorm._rows`` (unit feature stride, as its kernel).
+Rows run in parallel in tasks of whole rows (``prange``), each task with its own scratch rows.
+bf16/fp16 pass as bits (int16/uint16) and convert in registers (``cpu_kernels/rope.py``).
+
+Compilation at plan time (``compile``), cached on disk (``cpu_kernels/_numba.py``): the cache is
+keyed on this file, so a change to a helper it inlines from another file (int8's
+``_quantize_row``, modulation's or rmsnorm's statistics, the activations, rope's conversions)
+needs a change here or a cleared cache.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import fxbackend
+from fxbackend import TensorMeta, services
+from fxbackend.patterns.gated_residual import epilogue_layout, epilogue_why_not
+from fxbackend.patterns.int8 import (REGULAR_HADAMARD_GROUPS, check_linear, hadamard_stages,
+                                     packed_nbytes, padded_rows, unpack)
+from fxbackend.patterns.int8_fusions import (PRE_ACTS, ActQuantizeFusion,
+                                             Int8GatedResidualFusion,
+                                             Int8LinearActQuantizeFusion,
+                                             ModulationQuantizeFusion, RmsNormQuantizeFusion,
+                                             ScaleQuantizeFusion)
+from fxbackend.patterns.rmsnorm import rms_norm_out_dtype
+
+from . import _numba
+from . import activation as _act
+from . import gated_residual as _gr
+from . import int8 as _i8
+from . import modulation as _mod
+from . import rmsnorm as _rms
+from .activation import _expf, _gelu_erf, _gelu_tanh, _silu
+from .gated_residual import _row_strided, _row_unit
+from .int8 import _quantize_row, quantize_rows_cpu
+from .modulation import _modulate, _row_offsets, _sum, _sum_dev_sq
+from .rmsnorm import _inv_rms, _normed, _round_as
+from .rope import (_NP_OF, _bcast_offsets, _compile_lock, _flat, _load, _set_threads,
+                   _why_not_metas)
+
+__all__ = ["int8_gated_residual_cpu", "int8_linear_act_quantize_cpu", "modulation_quantize_cpu",
+           "rms_norm_quantize_cpu", "act_quantize_cpu", "compile_kernels",
+           "Int8GatedResidualCPU", "Int8LinearActQuantizeCPU",
+           "ModulationQuantizeCPU", "RmsNormQuantizeCPU", "PrologueQuantizeCPU"]
+
+#: ``numba.prange`` once numba is imported (see ``cpu_kernels/_numba.py``); ``range`` until then
+prange = range
+_OPS = {None: 0, "mul": 1, "div": 2}
+#: activation codes of the prologue kernel (0: none)
+_ACT_ID = {None: 0, **{a: k + 1 for k, a in enumerate(PRE_ACTS)}}
+#: elements per parallel task at least (numba's per-task cost is ~1 us)
+_MIN_TASK_ELEMS = 16384
+
+
+# -- jitted helpers --------------------------------------------------------------------------------
+
+def _sigmoid(x):
+    return np.float32(1.0) / (np.float32(1.0) + _expf(-x))
+
+
+def _zero_row(q, scales, ru, ku):
+    """A padding row of the packed layout: codes 0, scale 0.0."""
+    qr = q[ru * ku:(ru + np.uint64(1)) * ku]
+    for i in range(ku):
+        qr[i] = 0
+    scales[ru] = np.float32(0.0)
+
+
+def _activate(x, xv, d, act):
+    """``xv = round_T(act(xv))`` in place (T: x's element type); one loop per activation."""
+    if act == 1:
+        for e in range(d):
+            xv[e] = _round_as(x, _gelu_tanh(xv[e]))
+    elif act == 2:
+        for e in range(d):
+            xv[e] = _round_as(x, _gelu_erf(xv[e]))
+    elif act == 3:
+        for e in range(d):
+            xv[e] = _round_as(x, _silu(xv[e]))
+    elif act == 4:
+        for e in range(d):
+            xv[e] = _round_as(x, _sigmoid(xv[e]))
+
+
+def _tasks(nrows, threads_rows):
+    return (nrows + threads_rows - 1) // threads_rows
+
+
+# -- kernels ---------------------------------------------------------------------------------------
+
+def _i8_gr_kernel(acc, xs, ws, b, has_b, gate, res, out, nb, ns, c, gsb, gss, gsc, rsb, rss,
+                  rsc, osb, oss, osc, scale, op, rows_per_task):
+    """Rows r = (b, s) of ``nb * ns``: the linear_i8 epilogue of accumulator row r into a
+    scratch row, then gated_residual's row function into out (module docstring)."""
+    nrows = nb * ns
+    unit = gsc == 1 and rsc == 1 and osc == 1
+    for task in prange(_tasks(nrows, rows_per_task)):
+        yv = np.empty(c, np.float32)
+        r0 = np.int64(task) * rows_per_task  # prange indices may be unsigned
+        r1 = min(nrows, r0 + rows_per_task)
+        for r in range(r0, r1):
+            ar = acc[r * c:r * c + c]
+            sx = xs[r]
+            if has_b:
+                for e in range(c):
+                    yv[e] = (np.float32(ar[e]) * sx) * ws[e] + _load(b, e)
+            else:
+                for e in range(c):
+                    yv[e] = (np.float32(ar[e]) * sx) * ws[e]
+            bi = r // ns
+            si = r - bi * ns
+            go = bi * gsb + si * gss
+            ro = bi * rsb + si * rss
+            oo = bi * osb + si * oss
+            if unit:
+                _row_unit(yv, gate[go:go + c], res[ro:ro + c], out[oo:oo + c], c, scale, op)
+            else:
+                _row_strided(yv, gate, res, out, go, ro, oo, gsc, rsc, osc, c, scale, op)
+
+
+def _i8_actq_kernel(acc, xs, ws, b, has_b, q, scales, m, mp, n, act, nst, inv, chunk):
+    """Packed rows 0 .. mp-1 in tasks of ``chunk``: rows below m through linear_i8's epilogue
+    (into the scratch ``yv``), the activation, then quantized; the rest padding."""
+    ku = np.uint64(n)
+    for task in prange(_tasks(mp, chunk)):
+        yv = np.empty(n, np.float32)
+        b0 = np.empty(n, np.float32)
+        b1 = np.empty(n, np.float32)
+        r0 = np.int64(task) * chunk
+        r1 = min(mp, r0 + chunk)
+        for row in range(r0, r1):
+            ru = np.uint64(row)
+            if row >= m:
+                _zero_row(q, scales, ru, ku)
+                continue
+            ar = acc[row * n:row * n + n]
+            sx = xs[row]
+            if has_b:
+                for e in range(n):
+                    yv[e] = (np.float32(ar[e]) * sx) * ws[e] + _load(b, e)
+            else:
+                for e in range(n):
+                    yv[e] = (np.float32(ar[e]) * sx) * ws[e]
+            _activate(yv, yv, n, act)
+            scales[ru] = _quantize_row(yv, b0, b1, q[ru * ku:(ru + np.uint64(1)) * ku], ku, nst,
+                                       inv)
+
+
+def _modq_kernel(x, s, h, q, scales, bt, d, xfs, sfs, hfs, eps, is_rms, has_add, c, m, mp,
+                 nst, inv, chunk):
+    """Packed rows 0 .. mp-1 in tasks of ``chunk``: rows below m modulated exactly as
+    ``cpu_kernels/modulation.py``'s kernel does (into the scratch ``xv``), then quantized."""
+    ku = np.uint64(d)
+    for task in prange(_tasks(mp, chunk)):
+        xv = np.empty(d, np.float32)
+        b0 = np.empty(d, np.float32)
+        b1 = np.empty(d, np.float32)
+        r0 = np.int64(task) * chunk
+        r1 = min(mp, r0 + chunk)
+        for row in range(r0, r1):
+            ru = np.uint64(row)
+            if row >= m:
+                _zero_row(q, scales, ru, ku)
+                continue
+            xo, so, ho = _row_offsets(row, bt)
+            if xfs == 1:
+                xr = x[xo:xo + d]
+                for e in range(d):
+                    xv[e] = _load(xr, e)
+            else:
+                for e in range(d):
+                    xv[e] = _load(x, xo + e * xfs)
+            mean = np.float32(0.0)
+            if not is_rms:
+                mean = _sum(xv, d) / np.float32(d)
+            r = np.float32(1.0) / np.sqrt(_sum_dev_sq(xv, d, mean) / np.float32(d) + eps)
+            if sfs == 1 and hfs == 1:
+                sr = s[so:so + d]
+                hr = h[ho:ho + d]
+                for e in range(d):
+                    xv[e] = _round_as(x, _modulate(x, xv[e], mean, r, _load(sr, e),
+                                                   _load(hr, e), has_add, c))
+            else:
+                for e in range(d):
+                    xv[e] = _round_as(x, _modulate(x, xv[e], mean, r, _load(s, so + e * sfs),
+                                                   _load(h, ho + e * hfs), has_add, c))
+            scales[ru] = _quantize_row(xv, b0, b1, q[ru * ku:(ru + np.uint64(1)) * ku], ku, nst,
+                                       inv)
+
+
+def _rmsq_kernel(x, w, like, q, scales, bt, d, eps, has_w, m, mp, nst, inv, chunk):
+    """Packed rows: rows below m normalised as ``cpu_kernels/rmsnorm.py``'s kernel does
+    (rounded to ``like``'s element type, the norm's output dtype), then quantized.  ``bt``:
+    rmsnorm's row table; the second offset is the row's offset in the (contiguous) norm output,
+    so ``oo // d`` is its packed row."""
+    ku = np.uint64(d)
+    for task in prange(_tasks(mp, chunk)):
+        xv = np.empty(d, np.float32)
+        b0 = np.empty(d, np.float32)
+        b1 = np.empty(d, np.float32)
+        r0 = np.int64(task) * chunk
+        r1 = min(mp, r0 + chunk)
+        for i in range(r0, r1):
+            if i >= m:
+                _zero_row(q, scales, np.uint64(i), ku)
+                continue
+            xo, oo = _bcast_offsets(i, bt)
+            xr = x[xo:xo + d]
+            r = _inv_rms(xr, d, eps)
+            if has_w:
+                for e in range(d):
+                    xv[e] = _round_as(like, _normed(xr, w, r, e))
+            else:
+                for e in range(d):
+                    xv[e] = _round_as(like, _load(xr, e) * r)
+            ru = np.uint64(oo // d)
+            scales[ru] = _quantize_row(xv, b0, b1, q[ru * ku:(ru + np.uint64(1)) * ku], ku, nst,
+                                       inv)
+
+
+def _preq_kernel(x, o, q, scales, bt, d, xfs, ofs, act, has_o, scale, op, m, mp, nst, inv,
+                 chunk):
+    """Packed rows: rows below m through the prologue (x loaded, activated, times the
+    multiplier, scaled; each step rounded to x's type), then quantized."""
+    ku = np.uint64(d)
+    for task in prange(_tasks(mp, chunk)):
+        xv = np.empty(d, np.float32)
+        b0 = np.empty(d, np.float32)
+        b1 = np.empty(d, np.float32)
+        r0 = np.int64(task) * chunk
+        r1 = min(mp, r0 + chunk)
+        for row in range(r0, r1):
+            ru = np.uint64(row)
+            if row >= m:
+                _zero_row(q, scales, ru, ku)
+                continue
+            xo, oo, _ = _row_offsets(row, bt)
+            if xfs == 1:
+                xr = x[xo:xo + d]
+                for e in range(d):
+                    xv[e] = _load(xr, e)
+            else:
+                for e in range(d):
+                    xv[e] = _load(x, xo + e * xfs)
+            _activate(x, xv, d, act)
+            if has_o:
+                if ofs == 1:
+                    orow = o[oo:oo + d]
+                    for e in range(d):
+                        xv[e] = _round_as(x, xv[e] * _load(orow, e))
+                else:
+                    for e in range(d):
+                        xv[e] = _round_as(x, xv[e] * _load(o, oo + e * ofs))
+            if op == 1:
+                for e in range(d):
+                    xv[e] = _round_as(x, xv[e] * scale)
+            elif op == 2:
+                for e in range(d):
+                    xv[e] = _round_as(x, xv[e] / scale)
+            scales[ru] = _quantize_row(xv, b0, b1, q[ru * ku:(ru + np.uint64(1)) * ku], ku, nst,
+                                       inv)
+
+
+def _build(numba) -> dict:
+    from numba.extending import register_jitable
+    for fn in (_sigmoid, _zero_row, _tasks):
+        register_jitable(fn)
+    _numba.inline(_activate)
+    return dict(gr=_numba.njit(_i8_gr_kernel), mod=_numba.njit(_modq_kernel),
+                actq=_numba.njit(_i8_actq_kernel, error_model="numpy"),
+                rms=_numba.njit(_rmsq_kernel),
+                # error_model="numpy": no ZeroDivisionError checks in the activations' loops
+                # (their divisions are never by zero), which LLVM then vectorises
+                pre=_numba.njit(_preq_kernel, error_model="numpy"))
+
+
+#: the jitted kernels (created once; each compiles per dtype when first called).  The helper
+#: registrations of the kernels this file reuses come first
+_jit = _numba.once(globals(), _build, requires=(_rms._register, _act._register, _i8._jit,
+                                                _mod._jit, _gr._jit))
+
+
+def _chunk(rows: int, d: int, threads: int) -> int:
+    per = max(-(-rows // (4 * threads)), -(-_MIN_TASK_ELEMS // max(d, 1)))
+    return max(1, min(per, max(rows, 1)))
+
+
+def _packed_views(out: torch.Tensor, m: int, k: int) -> tuple:
+    """The codes (int8, ``mp * k``) and scales (float32, ``mp``) of a packed ``out`` as numpy."""
+    mp = padded_rows(m)
+    return (_flat(out, mp * k), _flat(out[mp * k:mp * k + 4 * mp].view(torch.float32), mp),
+            mp)
+
+
+def _check_cancelled() -> None:
+    token = services.current_token()
+    if token is not None and token.cancelled:
+        raise services.Cancelled("the plan was cancelled")
+
+
+# -- int8_gated_residual ---------------------------------------------------------------------------
+
+def _gr_launch(acc, xs, ws, bias, gate, res, out, y_shape, scale_op, scale) -> None:
+    lay = epilogue_layout(tuple(y_shape), tuple(gate.shape), tuple(gate.stride()),
+                          tuple(res.shape), tuple(res.stride()), tuple(out.stride()))
+    if lay.spans[0] == 0:
+        return
+    k = _jit()["gr"]
+    threads = _set_threads()
+    rows = _gr._threads_rows(lay, threads)
+    n = lay.c
+    b = _flat(bias, n) if bias is not None else np.zeros(0, np.float32)
+    k(_flat(acc, lay.spans[0]), _flat(xs, lay.nb * lay.ns), _flat(ws, n), b, bias is not None,
+      _flat(gate, lay.spans[1]), _flat(res, lay.spans[2]), _flat(out, lay.spans[3]), lay.nb,
+      lay.ns, n, *lay.g, *lay.r, *lay.o, np.float32(1.0 if scale is None else scale),
+      _OPS[scale_op], rows)
+
+
+def _gemm(qx: torch.Tensor, qw: torch.Tensor, acc: torch.Tensor) -> None:
+    torch._int_mm(qx, qw.t(), out=acc)
+
+
+def int8_gated_residual_cpu(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                            x_scale: torch.Tensor | None = None,
+                            bias: torch.Tensor | None = None, *, gate: torch.Tensor,
+                            residual: torch.Tensor, x_kind: str, group: int = 1, m: int = -1,
+                            lead: tuple = (), y_shape: tuple | None = None,
+                            scale_op: str | None = None, scale: float | None = None,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """``int8_gated_residual_reference`` with an int8 weight (``w``, ``w_scale`` from
+    ``quantize_weight_i8_reference``) through this file's kernels (direct calls, tests,
+    benchmarks): ``torch._int_mm``, then the fused epilogue.  ``y_shape``: the linear output's
+    shape as the gate sees it (None: ``lead + (N,)``); gate and residual broadcast to it; out
+    (allocated when None, contiguous then) any strides of that shape.  ValueError for inputs
+    the kernels do not take."""
+    metas = [None if t is None else TensorMeta.of(t) for t in (x, w, w_scale, x_scale, bias)]
+    M, K, N, lead_out = check_linear(*metas, x_kind=x_kind, w_kind="int8", group=group, m=m,
+                                     lead=lead, who="int8_gated_residual_cpu")
+    why = _i8._why_not_linear(*metas, x_kind, "int8", M, K, N)
+    y_shape = tuple(lead_out) + (N,) if y_shape is None else tuple(y_shape)
+    if why is None and (len(y_shape) < 1 or y_shape[-1] != N or
+                        int(np.prod(y_shape)) != M * N):
+        why = f"y_shape {y_shape} is not [..., {N}] with {M * N} elements"
+    if out is None:
+        out = torch.empty(y_shape, dtype=torch.float32)
+    if why is None:
+        why = _why_not_epilogue(TensorMeta.contiguous(y_shape, torch.float32, out.device),
+                                TensorMeta.of(gate), TensorMeta.of(residual), TensorMeta.of(out))
+    if why is None and scale_op not in _OPS:
+        why = f"scale_op {scale_op!r} (None, 'mul' or 'div')"
+    if why is not None:
+        raise ValueError(f"int8_gated_residual_cpu: unsupported input: {why}")
+    if x_kind == "float":
+        xq = _i8.quantize_i8_convrot_cpu(x.reshape(M, K), group)
+        qx, xs = unpack(xq, M, K)
+    elif x_kind == "packed":
+        qx, xs = unpack(x, M, K)
+    else:
+        qx, xs = x.reshape(M, K), x_scale.reshape(M)
+    acc = out.view(torch.int32).view(M, N) if out.is_contiguous() else \
+        torch.empty(M, N, dtype=torch.int32)
+    _gemm(qx, w, acc)
+    _gr_launch(acc, xs, w_scale, bias, gate, residual, out, y_shape, scale_op, scale)
+    return out
+
+
+def _why_not_epilogue(y, gate, residual, out) -> str | None:
+    why = epilogue_why_not(y, gate, residual, out, "cpu")
+    if why is None and y.dtype != torch.float32:
+        why = f"dtype {y.dtype} (the int8 linear's output is float32)"
+    return why
+
+
+class Int8GatedResidualCPU:
+    """``int8_gated_residual`` on the CPU (interface:
+    ``fxbackend.patterns.int8_fusions.Int8GatedResidualFusion``): ``torch._int_mm`` and the
+    numba epilogue; cancellation is checked between the phases."""
+
+    name = "int8_gated_residual_cpu"
+
+    def why_not_linear(self, node) -> str | None:
+        return _i8.linear_why_not(node)
+
+    def why_not(self, y, gate, residual, out) -> str | None:
+        return _why_not_epilogue(y, gate, residual, out)
+
+    def compile(self, linear, y, gate, residual, out, scale_op) -> None:
+        p = linear.params
+        metas = [s.meta for s in linear.srcs]
+        x = metas[0]
+        if p["x_kind"] == "float":
+            _i8.compile_kernels(x.dtype, None, epilogue=False)
+        if p["w_kind"] == "float":
+            _i8.compile_kernels(metas[1].dtype, None, epilogue=False)
+        compile_kernels("gr", None if not p.get("has_bias") else metas[-1].dtype)
+
+    def quantize(self, x, group, q, scales, m, mp) -> None:
+        quantize_rows_cpu(x, group, q, scales, m, mp)
+
+    def run(self, qx, xs, qw, ws, bias, acc, gate, residual, out, *, y_shape, scale_op, scale):
+        _check_cancelled()
+        _gemm(qx, qw, acc)
+        _check_cancelled()
+        _gr_launch(acc, xs, ws, bias, gate, residual, out, y_shape, scale_op, scale)
+
+
+# -- int8_linear_act_quantize ----------------------------------------------------------------------
+
+def _actq_launch(acc, xs, ws, bias, out, act, group) -> None:
+    m, n = acc.shape
+    q, sc, mp = _packed_views(out, m, n)
+    if mp == 0:
+        return
+    nst = hadamard_stages(group)
+    k = _jit()["actq"]
+    chunk = _chunk(mp, n, _set_threads())
+    b = _flat(bias, n) if bias is not None else np.zeros(0, np.float32)
+    k(_flat(acc, m * n), _flat(xs, m), _flat(ws, n), b, bias is not None, q, sc, m, mp, n,
+      _ACT_ID[act], nst, np.float32(2.0 ** -nst), chunk)
+
+
+def int8_linear_act_quantize_cpu(qx: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
+                                 w_scale: torch.Tensor, bias: torch.Tensor | None = None, *,
+                                 act: str, group: int = 1,
+                                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """``quantize(act(linear_i8(qx, w)), group)`` for int8 rows ``qx [M, K]`` with their
+    float32 scales and an int8 weight ``w [N, K]`` with ``w_scale [N]``: ``torch._int_mm``
+    into a temporary accumulator, then one pass per row (module docstring); the packed layout
+    (into ``out`` when given).  ValueError for inputs the kernels do not take."""
+    metas = [TensorMeta.of(t) for t in (qx, w, w_scale, x_scale)] + \
+        [None if bias is None else TensorMeta.of(bias)]
+    M, K, N, _ = check_linear(metas[0], metas[1], metas[2], metas[3], metas[4], x_kind="int8",
+                              w_kind="int8", group=1, m=-1, lead=(),
+                              who="int8_linear_act_quantize_cpu")
+    if out is None:
+        out = torch.empty(packed_nbytes(M, N), dtype=torch.int8)
+    why = _i8._why_not_linear(*metas[:2], metas[2], metas[3], metas[4], "int8", "int8", M, K,
+                              N) or _why_not_act(M, N, TensorMeta.of(out), act, group)
+    if why is not None:
+        raise ValueError(f"int8_linear_act_quantize_cpu: unsupported input: {why}")
+    acc = torch.empty(M, N, dtype=torch.int32)
+    _gemm(qx, w, acc)
+    _actq_launch(acc, x_scale, w_scale, bias, out, act, group)
+    return out
+
+
+def _why_not_act(m, n, out, act, group) -> str | None:
+    if act not in PRE_ACTS:
+        return f"activation {act!r} (one of {PRE_ACTS})"
+    return _why_not_group(n, group) or _why_not_out(out, m, n)
+
+
+class Int8LinearActQuantizeCPU(Int8GatedResidualCPU):
+    """``int8_linear_act_quantize`` on the CPU (interface:
+    ``fxbackend.patterns.int8_fusions.Int8LinearActQuantizeFusion``): ``torch._int_mm`` into
+    workspace, then the numba pass; cancellation is checked between the phases."""
+
+    name = "int8_linear_act_quantize_cpu"
+
+    def why_not_act(self, m, n, out, act, group) -> str | None:
+        try:
+            return _why_not_act(m, n, out, act, group)
+        except Exception as exc:
+            return f"metadata not understood ({type(exc).__name__}: {exc})"
+
+    def compile_act(self, linear, act, group) -> None:
+        p = linear.params
+        metas = [s.meta for s in linear.srcs]
+        if p["x_kind"] == "float":
+            _i8.compile_kernels(metas[0].dtype, None, epilogue=False)
+        if p["w_kind"] == "float":
+            _i8.compile_kernels(metas[1].dtype, None, epilogue=False)
+        compile_kernels("actq", None if not p.get("has_bias") else metas[-1].dtype)
+
+    def run_act(self, qx, xs, qw, ws, bias, acc, out, *, act, group) -> None:
+        _check_cancelled()
+        _gemm(qx, qw, acc)
+        _check_cancelled()
+        _actq_launch(acc, xs, ws, bias, out, act, group)
+
+
+# -- the quantize-feeding kernels: launchers -------------------------------------------------------
+
+def _why_not_group(k, group) -> str | None:
+    if isinstance(group, bool) or group not in REGULAR_HADAMARD_GROUPS:
+        return f"group {group!r} (one of {REGULAR_HADAMARD_GROUPS})"
+    if k == 0 or k % group:
+        return f"{k} features is not a positive multiple of group={group}"
+    return None
+
+
+def _why_not_out(out, m, k) -> str | None:
+    if not isinstance(out, TensorMeta) or out.dtype != torch.int8 or \
+            tuple(out.shape) != (packed_nbytes(m, k),) or not out.is_contiguous:
+        return f"out must be the packed int8 vector of {packed_nbytes(m, k)} bytes"
+    if out.device.type != "cpu":
+        return f"out is on {out.device}"
+    if out.storage_offset % 4:
+        return "out's storage offset is not a multiple of 4 (the float32 scales)"
+    return None
+
+
+def _modq_why_not(x, scale, shift, out, norm, group) -> str | None:
+    why = _mod.why_not(x, scale, shift, TensorMeta.contiguous(tuple(x.shape), x.dtype,
+                                                              x.device), norm) \
+        if isinstance(x, TensorMeta) else "x is not a tensor"
+    if why is None:
+        k = int(x.shape[-1])
+        why = _why_not_group(k, group) or _why_not_out(out, x.numel // k, k)
+    return why
+
+
+def _modq_launch(rows, x, scale, shift, out, norm, eps, add_c, group) -> None:
+    d = x.shape[-1]
+    m = x.numel() // d
+    q, sc, mp = _packed_views(out, m, d)
+    if mp == 0:
+        return
+    nst = hadamard_stages(group)
+    fn = _jit()["mod"]
+    chunk = _chunk(mp, d, _set_threads())
+    fn(_flat(x, rows.spans[0]), _flat(scale, rows.spans[1]), _flat(shift, rows.spans[2]), q, sc,
+       rows.bt, d, *rows.fs, np.float32(eps), norm == "rms", add_c is not None,
+       np.float32(0.0 if add_c is None else add_c), m, mp, nst, np.float32(2.0 ** -nst), chunk)
+
+
+def modulation_quantize_cpu(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
+                            out: torch.Tensor | None = None, *, norm: str = "layer",
+                            eps: float = 1e-6, add_c: float | None = 1.0,
+                            group: int = 1) -> torch.Tensor:
+    """``sd.quantize_i8_convrot.v1(modulation_cpu(x, scale, shift, ...)) {group}`` in one
+    kernel: the packed layout (into ``out`` when given: contiguous 1-D int8 of
+    ``packed_nbytes(M, C)`` bytes).  ``scale``/``shift`` broadcast to x.  ValueError for inputs
+    the kernel does not take."""
+    for label, t in (("x", x), ("scale", scale), ("shift", shift)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"modulation_quantize_cpu: {label} must be a tensor")
+    try:
+        scale, shift = scale.expand(x.shape), shift.expand(x.shape)
+    except RuntimeError as e:
+        raise ValueError(f"modulation_quantize_cpu: scale/shift do not broadcast to x: {e}") \
+            from None
+    d = x.shape[-1] if x.dim() else 0
+    m = x.numel() // d if d else 0
+    if out is None:
+        out = torch.empty(packed_nbytes(m, d), dtype=torch.int8)
+    TM = TensorMeta.of
+    why = _modq_why_not(TM(x), TM(scale), TM(shift), TM(out), norm, group)
+    if why is not None:
+        raise ValueError(f"modulation_quantize_cpu: unsupported input: {why}")
+    _modq_launch(_mod._rows(tuple(x.shape), x.stride(), scale.stride(), shift.stride()), x,
+                 scale, shift, out, norm, eps, add_c, group)
+    return out
+
+
+def _rmsq_why_not(x, w, norm_out, out, group) -> str | None:
+    why = _rms._why_not_tensors(x, w) if isinstance(x, TensorMeta) else "x is not a tensor"
+    if why is None and (not isinstance(norm_out, TensorMeta) or norm_out.dtype not in _NP_OF
+                        or tuple(norm_out.shape) != tuple(x.shape)):
+        why = "the norm's output metadata"
+    if why is None:
+        k = int(x.shape[-1])
+        why = _why_not_group(k, group) or _why_not_out(out, x.numel // k, k)
+    return why
+
+
+def _rmsq_launch(rows, x, w, out, eps, norm_dtype, group) -> None:
+    d = x.shape[-1]
+    m = x.numel() // d
+    q, sc, mp = _packed_views(out, m, d)
+    if mp == 0:
+        return
+    nst = hadamard_stages(group)
+    fn = _jit()["rms"]
+    chunk = _chunk(mp, d, _set_threads())
+    wf = _flat(w, w.shape[0]) if w is not None else np.zeros(0, np.float32)
+    fn(_flat(x, rows.span), wf, np.zeros(0, _NP_OF[norm_dtype]), q, sc, rows.bt, d,
+       np.float32(eps), w is not None, m, mp, nst, np.float32(2.0 ** -nst), chunk)
+
+
+def rms_norm_quantize_cpu(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                          group: int = 1, out: torch.Tensor | None = None,
+                          weight_in_float: bool = False) -> torch.Tensor:
+    """``sd.quantize_i8_convrot.v1(sd.rms_norm.v1(x[, weight]) {eps, weight_in_float}) {group}``
+    in one kernel (the packed layout; ``out`` as for :func:`modulation_quantize_cpu`).
+    ValueError for inputs the kernel does not take."""
+    if not isinstance(x, torch.Tensor) or (weight is not None and
+                                           not isinstance(weight, torch.Tensor)):
+        raise ValueError("rms_norm_quantize_cpu: x (and weight) must be tensors")
+    d = x.shape[-1] if x.dim() else 0
+    m = x.numel() // d if d else 0
+    if out is None:
+        out = torch.empty(packed_nbytes(m, d), dtype=torch.int8)
+    nd = rms_norm_out_dtype(x.dtype, None if weight is None else weight.dtype, weight_in_float)
+    TM = TensorMeta.of
+    why = _rmsq_why_not(TM(x), None if weight is None else TM(weight),
+                        TensorMeta.contiguous(tuple(x.shape), nd, x.device), TM(out), group)
+    if why is None and (not isinstance(eps, (int, float)) or not eps >= 0):
+        why = f"eps {eps!r}"
+    if why is not None:
+        raise ValueError(f"rms_norm_quantize_cpu: unsupported input: {why}")
+    if weight is not None and weight_in_float:
+        weight = weight.float()
+    _rmsq_launch(_rms._rows(x.shape, x.stride()), x, weight, out, eps, nd, group)
+    return out
+
+
+def _preq_why_not(x, other, out, act, scale_op, group) -> str | None:
+    metas = (x,) if other is None else (x, other)
+    why = _why_not_metas(metas)
+    if why is not None:
+        return why
+    if x.dtype not in _NP_OF or (other is not None and other.dtype != x.dtype):
+        return "dtypes (one of float32, bfloat16, float16 for x and the multiplier)"
+    if act not in _ACT_ID or scale_op not in _OPS:
+        return f"activation {act!r} / scale {scale_op!r}"
+    if not x.shape:
+        return "x is a scalar"
+    if other is not None and tuple(other.shape) != tuple(x.shape):
+        return "the multiplier must be expanded to x's shape"
+    k = int(x.shape[-1])
+    return _why_not_group(k, group) or _why_not_out(out, x.numel // k, k)
+
+
+def _preq_launch(rows, x, other, out, act, scale_op, scale, group) -> None:
+    d = x.shape[-1]
+    m = x.numel() // d
+    q, sc, mp = _packed_views(out, m, d)
+    if mp == 0:
+        return
+    nst = hadamard_stages(group)
+    fn = _jit()["pre"]
+    chunk = _chunk(mp, d, _set_threads())
+    o = _flat(other, rows.spans[1]) if other is not None else np.zeros(0, _NP_OF[x.dtype])
+    fn(_flat(x, rows.spans[0]), o, q, sc, rows.bt, d, rows.fs[0],
+       rows.fs[1] if other is not None else 1, _ACT_ID[act], other is not None,
+       np.float32(1.0 if scale is None else scale), _OPS[scale_op], m, mp, nst,
+       np.float32(2.0 ** -nst), chunk)
+
+
+def _preq_rows(x, other):
+    os_ = x.stride() if other is None else other.stride()
+    return _mod._rows(tuple(x.shape), x.stride(), os_, x.stride())
+
+
+def act_quantize_cpu(x: torch.Tensor, other: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None, *, act: str | None = None,
+                     scale_op: str | None = None, scale: float | None = None,
+                     group: int = 1) -> torch.Tensor:
+    """``sd.quantize_i8_convrot.v1(v) {group}`` of ``v = [act](x) [* other] [* | / scale]``
+    (each step rounded to x's dtype; the activation is ``cpu_kernels/activation.py``'s) in one
+    kernel: the packed layout (``out`` as for :func:`modulation_quantize_cpu`).  ``other``
+    broadcasts to x.  ValueError for inputs the kernel does not take."""
+    if not isinstance(x, torch.Tensor) or (other is not None and
+                                           not isinstance(other, torch.Tensor)):
+        raise ValueError("act_quantize_cpu: x (and other) must be tensors")
+    if other is not None:
+        try:
+            other = other.expand(x.shape)
+        except RuntimeError as e:
+            raise ValueError(f"act_quantize_cpu: other does not broadcast to x: {e}") from None
+    d = x.shape[-1] if x.dim() else 0
+    m = x.numel() // d if d else 0
+    if out is None:
+        out = torch.empty(packed_nbytes(m, d), dtype=torch.int8)
+    TM = TensorMeta.of
+    why = _preq_why_not(TM(x), None if other is None else TM(other), TM(out), act, scale_op,
+                        group)
+    if why is None and scale_op is not None and (not isinstance(scale, (int, float))
+                                                 or isinstance(scale, bool)):
+        why = f"scale {scale!r} (a Python number with a scale_op)"
+    if why is not None:
+        raise ValueError(f"act_quantize_cpu: unsupported input: {why}")
+    _preq_launch(_preq_rows(x, other), x, other, out, act, scale_op, scale, group)
+    return out
+
+
+def compile_kernels(kind: str, dtype: torch.dtype | None, other_dtype=None) -> None:
+    """Compile (or load from the disk cache) one kernel of this file by a call with no rows on
+    exactly the types a launch passes: ``kind`` "gr" / "actq" (``dtype``: the bias's, None: no
+    bias),
+    "mod" / "pre" (x's dtype), "rms" (x's dtype; ``other_dtype``: ``(weight dtype or None,
+    the norm's output dtype)``).  Thread-safe."""
+    k = _jit()[kind]
+    z32 = np.zeros(0, np.float32)
+    q = np.zeros(0, np.int8)
+    bt = np.zeros((1, 4), np.int64)
+    with _compile_lock:  # see rope's compile_kernels
+        if kind == "gr":
+            b = np.zeros(0, _NP_OF[dtype or torch.float32])
+            k(np.zeros(0, np.int32), z32, z32, b, dtype is not None, z32, z32, z32, 0, 1, 1,
+              0, 0, 1, 0, 0, 1, 0, 0, 1, np.float32(1.0), 0, 1)
+        elif kind == "actq":
+            b = np.zeros(0, _NP_OF[dtype or torch.float32])
+            k(np.zeros(0, np.int32), z32, z32, b, dtype is not None, q, z32, 0, 0, 4, 1, 1,
+              np.float32(0.5), 1)
+        elif kind == "mod":
+            a = np.zeros(0, _NP_OF[dtype])
+            k(a, a, a, q, z32, bt, 4, 1, 1, 1, np.float32(1e-6), False, True, np.float32(1.0),
+              0, 0, 1, np.float32(0.5), 1)
+        elif kind == "pre":
+            a = np.zeros(0, _NP_OF[dtype])
+            k(a, a, q, z32, bt, 4, 1, 1, 0, False, np.float32(1.0), 0, 0, 0, 1, np.float32(0.5),
+              1)
+        elif kind == "rms":
+            w_dtype, out_dtype = other_dtype
+            w = np.zeros(0, np.float32 if w_dtype is None else _NP_OF[w_dtype])
+            k(np.zeros(0, _NP_OF[dtype]), w, np.zeros(0, _NP_OF[out_dtype]), q, z32,
+              np.zeros((1, 3), np.int64), 4, np.float32(1e-6), w_dtype is not None, 0, 0, 1,
+              np.float32(0.5), 1)
+        else:
+            raise ValueError(f"compile_kernels: kind {kind!r} (gr, actq, mod, pre, rms)")
+
+
+# -- the quantize-feeding implementations ----------------------------------------------------------
+
+class ModulationQuantizeCPU:
+    """``modulation_quantize`` on the CPU (interface:
+    ``fxbackend.patterns.int8_fusions.ModulationQuantizeFusion``).  The row table is cached by
+    strides."""
+
+    name = "modulation_quantize_cpu"
+
+    def __init__(self) -> None:
+        self._rows: dict = {}
+
+    def why_not(self, x, scale, shift, out, norm, group) -> str | None:
+        try:
+            return _modq_why_not(x, scale, shift, out, norm, group)
+        except Exception as exc:  # never raise: decline with the reason
+            return f"metadata not understood ({type(exc).__name__}: {exc})"
+
+    def compile(self, x, scale, shift, out, norm, has_add, group) -> None:
+        compile_kernels("mod", x.dtype)
+
+    def run(self, x, scale, shift, out, *, norm, eps, add_c, group) -> None:
+        key = (tuple(x.shape), x.stride(), scale.stride(), shift.stride())
+        rows = self._rows.get(key)
+        if rows is None:
+            if len(self._rows) > 64:
+                self._rows.clear()
+            rows = self._rows[key] = _mod._rows(tuple(x.shape), x.stride(), scale.stride(),
+                                                shift.stride())
+        _modq_launch(rows, x, scale, shift, out, norm, eps, add_c, group)
+
+
+class RmsNormQuantizeCPU:
+    """``rms_norm_quantize`` on the CPU (interface:
+    ``fxbackend.patterns.int8_fusions.RmsNormQuantizeFusion``)."""
+
+    name = "rms_norm_quantize_cpu"
+
+    def why_not(self, x, w, norm_out, out, group, weight_in_float=False) -> str | None:
+        try:
+            return _rmsq_why_not(x, w, norm_out, out, group)
+        except Exception as exc:
+            return f"metadata not understood ({type(exc).__name__}: {exc})"
+
+    def compile(self, x, w, norm_out, out, group) -> None:
+        compile_kernels("rms", x.dtype, (None if w is None else w.dtype, norm_out.dtype))
+        if w is not None and w.dtype != torch.float32:  # weight_in_float passes it as float32
+            compile_kernels("rms", x.dtype, (torch.float32, norm_out.dtype))
+
+    def run(self, x, w, out, *, eps, norm_dtype, weight_in_float, group) -> None:
+        if w is not None and weight_in_float:
+            w = w.float()
+        _rmsq_launch(_rms._rows(x.shape, x.stride()), x, w, out, eps, norm_dtype, group)
+
+
+class PrologueQuantizeCPU:
+    """``act_quantize`` and ``scale_quantize`` on the CPU (interface:
+    ``fxbackend.patterns.int8_fusions._PrologueQuantize``)."""
+
+    name = "prologue_quantize_cpu"
+
+    def why_not(self, x, other, out, act, scale_op, group) -> str | None:
+        try:
+            return _preq_why_not(x, other, out, act, scale_op, group)
+        except Exception as exc:
+            return f"metadata not understood ({type(exc).__name__}: {exc})"
+
+    def compile(self, x, other, out, act, scale_op, group) -> None:
+        compile_kernels("pre", x.dtype)
+
+    def run(self, x, other, out, *, act, scale_op, scale, group) -> None:
+        _preq_launch(_preq_rows(x, other), x, other, out, act, scale_op, scale, group)
+
+
+_PRE = PrologueQuantizeCPU()
+fxbackend.register_fusion("cpu", Int8GatedResidualFusion(Int8GatedResidualCPU()))
+fxbackend.register_fusion("cpu", Int8LinearActQuantizeFusion(Int8LinearActQuantizeCPU()))
+fxbackend.register_fusion("cpu", ModulationQuantizeFusion(ModulationQuantizeCPU()))
+fxbackend.register_fusion("cpu", RmsNormQuantizeFusion(RmsNormQuantizeCPU()))
+fxbackend.register_fusion("cpu", ActQuantizeFusion(_PRE))
+fxbackend.register_fusion("cpu", ScaleQuantizeFusion(_PRE))

@@ -1,0 +1,982 @@
+"""The INT8 fusions on CUDA (``patterns/int8_fusions.py``): Triton kernels registered at the
+bottom as the implementations of ``int8_gated_residual``, ``int8_linear_act_quantize``,
+``modulation_quantize``, ``rms_norm_quantize``, ``act_quantize`` and ``scale_quantize`` for
+"cuda".  The integer GEMM
+runs through ``torch._int_mm`` (cuBLASLt) on the current stream, as in ``cuda_kernels/int8.py``.
+
+Every kernel writes the statements of the kernels whose chain it fuses, in their order, and
+calls their ``@triton.jit`` helpers (``cuda_kernels/int8.py``'s ``_rotate`` and ``_codes``,
+``cuda_kernels/activation.py``'s ``_act``, rope's lead-dim helpers); launches pass
+``enable_fp_fusion=False`` (no FMA: each product is rounded before it is added, as the unfused
+chain rounds it).
+
+- ``int8_gated_residual`` (``_i8_gr_kernel``): tiles of BLOCK_R rows by BLOCK_C features
+  (``cuda_kernels/gated_residual.py``'s launch plan and layout: the gate and residual through
+  their broadcast strides, out through its own)::
+
+      y   = float32(acc) * x_scale[m]  ;  y = y * w_scale[n]  ;  y = y + bias[n]
+      t   = y * s          (s = float32(scale), or float32(1) / float32(scale) for a division:
+                            CUDA's eager division by a Python scalar)
+      out = residual + round(gate * t)
+
+  The accumulator may be the output's own storage: every element is loaded and stored by the
+  same program.
+- ``int8_linear_act_quantize`` (``_i8_actq_kernel``): the accumulator in workspace, then one
+  program per packed row, blocks of BLOCK features: ``linear_i8``'s epilogue statements, the
+  activation, zero tail, rotation; two passes for rows longer than MAX_BLOCK (Flux's 12288).
+- ``modulation_quantize`` (``_modq_kernel``): one program per packed row: the modulation
+  kernel's statements on a ``[1, BLOCK_D]`` row (``cuda_kernels/modulation.py``; at Flux's and
+  SD3's widths its plan also takes one row per program, with the same warps, so the statistics'
+  reduction is the same code), masked tail features set to zero, then the quantize kernel's
+  one-pass rotation, ``amax / 127`` and codes.  C is at most MAX_D (a row held in registers).
+- ``rms_norm_quantize`` (``_rmsq_kernel``): the same with ``cuda_kernels/rmsnorm.py``'s
+  statements (diffusers' weight order; ``weight_in_float`` only with float32 x and weight).
+- ``act_quantize`` / ``scale_quantize`` (``_preq_kernel``): one program per packed row, blocks
+  of BLOCK features: load, activation (``activation._act``; sigmoid ``1 / (1 + exp(-x))``),
+  times the multiplier, scale, each rounded to x's dtype, zero tail, rotation; rows longer than
+  MAX_BLOCK take two passes (amax, then codes; the prologue and rotation recomputed, bit for
+  bit), as the quantize kernel does.
+
+Padding rows ``M .. Mp-1`` of the packed layout are written as zero codes and scale 0.0.
+Importing this module does not import Triton (``rope.lazy_kernel``).  Untuned on a GPU: block
+sizes and warps follow the kernels they fuse.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import threading
+from typing import Any
+
+import torch
+
+import fxbackend
+from fxbackend import TensorMeta
+from fxbackend.cuda_kernels import activation as _actk
+from fxbackend.cuda_kernels import gated_residual as _grk
+from fxbackend.cuda_kernels import int8 as _i8
+from fxbackend.cuda_kernels import rope as _rope
+from fxbackend.cuda_kernels.rmsnorm import num_warps
+from fxbackend.cuda_kernels.rope import (DTYPES, MAX_LEAD_DIMS, _launch_on, _merge_lead_dims,
+                                         _next_pow2, _warmup_on, lazy_kernel)
+from fxbackend.patterns.gated_residual import epilogue_why_not
+from fxbackend.patterns.int8 import (REGULAR_HADAMARD_GROUPS, check_linear, hadamard_stages,
+                                     linear_srcs, packed_nbytes, padded_rows, unpack)
+from fxbackend.patterns.int8_fusions import (PRE_ACTS, ActQuantizeFusion,
+                                             Int8GatedResidualFusion,
+                                             Int8LinearActQuantizeFusion,
+                                             ModulationQuantizeFusion, RmsNormQuantizeFusion,
+                                             ScaleQuantizeFusion)
+from fxbackend.patterns.modulation import NORMS
+from fxbackend.patterns.rmsnorm import rms_norm_out_dtype
+
+__all__ = ["int8_gated_residual_triton", "int8_linear_act_quantize_triton",
+           "modulation_quantize_triton", "rms_norm_quantize_triton", "act_quantize_triton",
+           "Int8GatedResidualCUDA", "Int8LinearActQuantizeCUDA",
+           "ModulationQuantizeCUDA", "RmsNormQuantizeCUDA", "PrologueQuantizeCUDA", "MAX_D"]
+
+#: the widest row the norm-quantize kernels hold in registers (the quantize kernel's one-pass
+#: limit)
+MAX_D = _i8.MAX_BLOCK
+#: triton.language, bound on first use (``rope.lazy_kernel``)
+tl: Any = None
+_OPS = {None: 0, "mul": 1, "div": 2}
+#: activation codes of the prologue kernel: 0 none, 1.. PRE_ACTS (sigmoid last)
+_ACT_ID = {None: 0, **{a: k + 1 for k, a in enumerate(PRE_ACTS)}}
+#: output dtype codes of ``_round_to``
+_DT_ID = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+# -- @triton.jit helpers (jitted on first use, see ``_lazy``) -------------------------------------
+
+def _round_to(v, DT: tl.constexpr):
+    """float32 ``v`` rounded to the dtype ``DT`` (0 float32: unchanged, 1 bf16, 2 fp16)."""
+    if DT == 1:
+        v = v.to(tl.bfloat16).to(tl.float32)
+    elif DT == 2:
+        v = v.to(tl.float16).to(tl.float32)
+    return v
+
+
+def _prologue(v, o, scale, t: tl.constexpr, ACT: tl.constexpr, HAS_O: tl.constexpr,
+              OP: tl.constexpr):
+    """``act``, ``* o``, ``* scale`` on float32 ``v``, each rounded to the element type t."""
+    if ACT == 4:
+        v = (1.0 / (1.0 + tl.exp(-v))).to(t).to(tl.float32)
+    elif ACT != 0:
+        v = _actk._act(v, ACT - 1).to(t).to(tl.float32)
+    if HAS_O:
+        v = (v * o).to(t).to(tl.float32)
+    if OP != 0:
+        v = (v * scale).to(t).to(tl.float32)
+    return v
+
+
+def _row_offset(row, size1, size2, size3, s0, s1, s2, s3):
+    """The element offset of packed row ``row`` (a scalar) over four merged leading dims."""
+    i3 = row % size3
+    r = row // size3
+    i2 = r % size2
+    r = r // size2
+    i1 = r % size1
+    return (r // size1) * s0 + i1 * s1 + i2 * s2 + i3 * s3
+
+
+_HELPERS = ("_round_to", "_prologue", "_row_offset")
+_helpers_lock = threading.Lock()
+_helpers_jitted: list = []
+
+
+def _lazy(fn):
+    """``rope.lazy_kernel(fn)``, plus (once, before the first launch resolves them) the helpers
+    this file's kernels call: int8's (``_i8._quantize()`` jits them), activation's ``_act``
+    (``_actk._kernels()``) and this file's :data:`_HELPERS`."""
+    get_kernel = lazy_kernel(fn)
+
+    def get() -> Any:
+        kernel = get_kernel()
+        if not _helpers_jitted:
+            _i8._quantize()
+            _actk._kernels()
+            with _helpers_lock:
+                if not _helpers_jitted:
+                    import triton
+                    g = globals()
+                    for name in _HELPERS:
+                        g[name] = triton.jit(g[name])
+                    _helpers_jitted.append(True)
+        return kernel
+
+    return get
+
+
+# -- kernels -------------------------------------------------------------------------------------
+
+def _i8_gr_kernel(acc_ptr, xs_ptr, ws_ptr, b_ptr, g_ptr, r_ptr, o_ptr, n_rows, ns, C,
+                  gsb, gss, gsc, rsb, rss, rsc, osb, oss, osc, scale,
+                  HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_C: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    r_ok = rows < n_rows
+    c_ok = cols < C
+    m = r_ok[:, None] & c_ok[None, :]
+    b = rows // ns
+    s = rows - b * ns
+    acc = tl.load(acc_ptr + rows[:, None] * C + cols[None, :], mask=m, other=0)
+    xs = tl.load(xs_ptr + rows, mask=r_ok, other=0.0)
+    ws = tl.load(ws_ptr + cols, mask=c_ok, other=0.0)
+    y = acc.to(tl.float32) * xs[:, None]
+    y = y * ws[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_SCALE:
+        y = y * scale
+    g = tl.load(g_ptr + (b * gsb + s * gss)[:, None] + cols[None, :] * gsc, mask=m, other=0.0)
+    r = tl.load(r_ptr + (b * rsb + s * rss)[:, None] + cols[None, :] * rsc, mask=m, other=0.0)
+    gy = g * y
+    tl.store(o_ptr + (b * osb + s * oss)[:, None] + cols[None, :] * osc, r + gy, mask=m)
+
+
+def _store_packed(q_ptr, s_ptr, row, row_ok, r, f, D, BLOCK: tl.constexpr):
+    """Quantize the rotated row ``r`` (BLOCK features, zeros past D) into packed row ``row``;
+    a padding row (``row_ok`` false) gets zero codes and scale 0.0."""
+    scale = tl.div_rn(tl.max(tl.abs(r), axis=0), 127.0)
+    scale = tl.where(scale == 0.0, 1.0, scale)
+    codes = tl.where(row_ok, _i8._codes(r, scale), 0).to(tl.int8)
+    tl.store(q_ptr + row * D + f, codes, mask=f < D)
+    tl.store(s_ptr + row, tl.where(row_ok, scale, 0.0))
+
+
+def _modq_kernel(x_ptr, s_ptr, h_ptr, q_ptr, sc_ptr, n_rows, D, size1, size2, size3,
+                 xs0, xs1, xs2, xs3, ss0, ss1, ss2, ss3, hs0, hs1, hs2, hs3,
+                 x_sf, s_sf, h_sf, eps, c, inv,
+                 IS_RMS: tl.constexpr, HAS_ADD: tl.constexpr, NST: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    # modulation's kernel with BLOCK_R = 1 (its statements, in its order), program = packed row
+    rows, row_ok, i0, i1, i2, i3 = _rope._lead_index(n_rows, size1, size2, size3, 1)
+    x_row = _rope._lead_offset(i0, i1, i2, i3, xs0, xs1, xs2, xs3)
+    s_row = _rope._lead_offset(i0, i1, i2, i3, ss0, ss1, ss2, ss3)
+    h_row = _rope._lead_offset(i0, i1, i2, i3, hs0, hs1, hs2, hs3)
+    f = tl.arange(0, BLOCK_D)
+    f_ok = f < D
+    m = row_ok[:, None] & f_ok[None, :]
+    x = tl.load(x_ptr + x_row[:, None] + f[None, :] * x_sf, mask=m, other=0.0).to(tl.float32)
+    if IS_RMS:
+        diff = x
+    else:
+        mean = tl.div_rn(tl.sum(x, axis=1), D + 0.0)
+        diff = tl.where(m, x - mean[:, None], 0.0)
+    var = tl.div_rn(tl.sum(diff * diff, axis=1), D + 0.0)
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
+    t = x_ptr.dtype.element_ty  # T; every .to(t).to(float32) is a no-op for float32
+    n = (diff * rstd[:, None]).to(t).to(tl.float32)
+    s = tl.load(s_ptr + s_row[:, None] + f[None, :] * s_sf, mask=m, other=0.0).to(tl.float32)
+    if HAS_ADD:
+        s = (s + c).to(t).to(tl.float32)
+    y = (n * s).to(t).to(tl.float32)
+    h = tl.load(h_ptr + h_row[:, None] + f[None, :] * h_sf, mask=m, other=0.0).to(tl.float32)
+    v = tl.where(m, (y + h).to(t).to(tl.float32), 0.0)
+    # the quantize kernel's one-pass path on that row
+    r = _i8._rotate(tl.reshape(v, (BLOCK_D,)), inv, NST, BLOCK_D)
+    row = tl.program_id(0).to(tl.int64)
+    _store_packed(q_ptr, sc_ptr, row, row < n_rows, r, f, D, BLOCK_D)
+
+
+def _rmsq_kernel(x_ptr, w_ptr, q_ptr, sc_ptr, n_rows, D, size1, size2, size3,
+                 xs0, xs1, xs2, xs3, w_sf, eps, inv,
+                 HAS_WEIGHT: tl.constexpr, OUT_DT: tl.constexpr, NST: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    # rmsnorm's kernel with BLOCK_R = 1, its output rounded to the norm's dtype (OUT_DT)
+    rows, row_ok, i0, i1, i2, i3 = _rope._lead_index(n_rows, size1, size2, size3, 1)
+    x_row = _rope._lead_offset(i0, i1, i2, i3, xs0, xs1, xs2, xs3)
+    f = tl.arange(0, BLOCK_D)
+    f_ok = f < D
+    m = row_ok[:, None] & f_ok[None, :]
+    x = tl.load(x_ptr + x_row[:, None] + f[None, :], mask=m, other=0.0).to(tl.float32)
+    mean = tl.div_rn(tl.sum(x * x, axis=1), D + 0.0)
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(mean + eps))
+    n = x * rstd[:, None]
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + f * w_sf, mask=f_ok, other=0.0).to(tl.float32)
+        n = n.to(w_ptr.dtype.element_ty).to(tl.float32) * w
+    v = tl.where(m, _round_to(n, OUT_DT), 0.0)
+    r = _i8._rotate(tl.reshape(v, (BLOCK_D,)), inv, NST, BLOCK_D)
+    row = tl.program_id(0).to(tl.int64)
+    _store_packed(q_ptr, sc_ptr, row, row < n_rows, r, f, D, BLOCK_D)
+
+
+def _preq_block(x_ptr, o_ptr, x_row, o_row, start, f, K, x_sf, o_sf, scale, inv,
+                ACT: tl.constexpr, HAS_O: tl.constexpr, OP: tl.constexpr, NST: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """One block of a row through the prologue and the rotation (zeros past K)."""
+    ok = start + f < K
+    v = tl.load(x_ptr + x_row + (start + f) * x_sf, mask=ok, other=0.0).to(tl.float32)
+    o = v
+    if HAS_O:
+        o = tl.load(o_ptr + o_row + (start + f) * o_sf, mask=ok, other=0.0).to(tl.float32)
+    v = _prologue(v, o, scale, x_ptr.dtype.element_ty, ACT, HAS_O, OP)
+    return _i8._rotate(tl.where(ok, v, 0.0), inv, NST, BLOCK)
+
+
+def _preq_kernel(x_ptr, o_ptr, q_ptr, sc_ptr, n_rows, K, size1, size2, size3,
+                 xs0, xs1, xs2, xs3, os0, os1, os2, os3, x_sf, o_sf, scale, inv,
+                 ACT: tl.constexpr, HAS_O: tl.constexpr, OP: tl.constexpr, NST: tl.constexpr,
+                 BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    row_ok = row < n_rows
+    rr = tl.where(row_ok, row, 0)  # padding rows read row 0 (masked out below)
+    x_row = _row_offset(rr, size1, size2, size3, xs0, xs1, xs2, xs3)
+    o_row = _row_offset(rr, size1, size2, size3, os0, os1, os2, os3)
+    f = tl.arange(0, BLOCK)
+    if ONE_PASS:
+        r = _preq_block(x_ptr, o_ptr, x_row, o_row, 0, f, K, x_sf, o_sf, scale, inv, ACT, HAS_O,
+                        OP, NST, BLOCK)
+        _store_packed(q_ptr, sc_ptr, row, row_ok, r, f, K, BLOCK)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, K, BLOCK):
+            r = _preq_block(x_ptr, o_ptr, x_row, o_row, start, f, K, x_sf, o_sf, scale, inv,
+                            ACT, HAS_O, OP, NST, BLOCK)
+            amax = tl.maximum(amax, tl.abs(r))
+        qs = tl.div_rn(tl.max(amax, axis=0), 127.0)
+        qs = tl.where(qs == 0.0, 1.0, qs)
+        for start in range(0, K, BLOCK):
+            r = _preq_block(x_ptr, o_ptr, x_row, o_row, start, f, K, x_sf, o_sf, scale, inv,
+                            ACT, HAS_O, OP, NST, BLOCK)
+            codes = tl.where(row_ok, _i8._codes(r, qs), 0).to(tl.int8)
+            tl.store(q_ptr + row * K + start + f, codes, mask=start + f < K)
+        tl.store(sc_ptr + row, tl.where(row_ok, qs, 0.0))
+
+
+def _actq_block(acc_ptr, xs, ws_ptr, b_ptr, row, lim, start, f, N, inv,
+                ACT: tl.constexpr, HAS_BIAS: tl.constexpr, NST: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """One block of an accumulator row through linear_i8's epilogue, the activation and the
+    rotation (zeros past ``lim``: N, or 0 in a padding row)."""
+    ok = start + f < lim
+    a = tl.load(acc_ptr + row * N + start + f, mask=ok, other=0)
+    y = a.to(tl.float32) * xs
+    y = y * tl.load(ws_ptr + start + f, mask=ok, other=0.0)
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + start + f, mask=ok, other=0.0).to(tl.float32)
+    y = _prologue(y, y, 1.0, tl.float32, ACT, False, 0)
+    return _i8._rotate(tl.where(ok, y, 0.0), inv, NST, BLOCK)
+
+
+def _i8_actq_kernel(acc_ptr, xs_ptr, ws_ptr, b_ptr, q_ptr, sc_ptr, n_rows, N, inv,
+                    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, NST: tl.constexpr,
+                    BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    row_ok = row < n_rows
+    xs = tl.load(xs_ptr + tl.where(row_ok, row, 0))
+    lim = tl.where(row_ok, N, 0)
+    f = tl.arange(0, BLOCK)
+    if ONE_PASS:
+        r = _actq_block(acc_ptr, xs, ws_ptr, b_ptr, row, lim, 0, f, N, inv, ACT, HAS_BIAS,
+                        NST, BLOCK)
+        _store_packed(q_ptr, sc_ptr, row, row_ok, r, f, N, BLOCK)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, N, BLOCK):
+            r = _actq_block(acc_ptr, xs, ws_ptr, b_ptr, row, lim, start, f, N, inv, ACT,
+                            HAS_BIAS, NST, BLOCK)
+            amax = tl.maximum(amax, tl.abs(r))
+        qs = tl.div_rn(tl.max(amax, axis=0), 127.0)
+        qs = tl.where(qs == 0.0, 1.0, qs)
+        for start in range(0, N, BLOCK):
+            r = _actq_block(acc_ptr, xs, ws_ptr, b_ptr, row, lim, start, f, N, inv, ACT,
+                            HAS_BIAS, NST, BLOCK)
+            codes = tl.where(row_ok, _i8._codes(r, qs), 0).to(tl.int8)
+            tl.store(q_ptr + row * N + start + f, codes, mask=start + f < N)
+        tl.store(sc_ptr + row, tl.where(row_ok, qs, 0.0))
+
+
+_HELPERS = _HELPERS + ("_store_packed", "_preq_block", "_actq_block")
+_actq = _lazy(_i8_actq_kernel)
+_gr_kernel = _lazy(_i8_gr_kernel)
+_modq = _lazy(_modq_kernel)
+_rmsq = _lazy(_rmsq_kernel)
+_preq = _lazy(_preq_kernel)
+
+
+# -- int8_gated_residual ---------------------------------------------------------------------------
+
+def _scale_value(scale_op, scale) -> float:
+    return _grk._scale_value(scale_op, scale)
+
+
+def _gr_plan(y_shape, gate, res, out) -> tuple:
+    return _grk._plan(tuple(y_shape), tuple(gate.shape), tuple(gate.stride()),
+                      tuple(res.shape), tuple(res.stride()), tuple(out.stride()))
+
+
+def _gr_launch(p, acc, xs, ws, bias, gate, res, out, scale_op, scale) -> None:
+    grid, args, block_r, block_c = p
+    if grid[0] == 0 or grid[1] == 0:
+        return
+    _launch_on(acc.device, _gr_kernel()[grid],
+               (acc, xs, ws, acc if bias is None else bias, gate, res, out, *args,
+                _scale_value(scale_op, scale)),
+               dict(HAS_BIAS=bias is not None, HAS_SCALE=scale_op is not None, BLOCK_R=block_r,
+                    BLOCK_C=block_c, num_warps=_grk.NUM_WARPS, enable_fp_fusion=False))
+
+
+def _gemm(qx, qw, acc) -> None:
+    if acc.device.type == "cuda":
+        with torch.cuda.device(acc.device):  # the current stream of acc's device
+            torch._int_mm(qx, qw.t(), out=acc)
+    else:  # the interpreter's CPU tensors
+        torch._int_mm(qx, qw.t(), out=acc)
+
+
+def int8_gated_residual_triton(x, w, w_scale, x_scale=None, bias=None, *, gate, residual,
+                               x_kind, group=1, m=-1, lead=(), y_shape=None, scale_op=None,
+                               scale=None, out=None, block=None) -> torch.Tensor:
+    """``int8_gated_residual_reference(..., div_reciprocal=True)`` with an int8 weight through
+    this file's kernel and ``torch._int_mm`` (direct calls, benchmarks, interpreter tests):
+    returns ``out`` (allocated contiguous when None).  Checks the op's contract only: shapes
+    that ``torch._int_mm`` on CUDA rejects raise its error (the rule declines them instead)."""
+    M, K, N, lead_out = check_linear(*(None if t is None else TensorMeta.of(t)
+                                       for t in (x, w, w_scale, x_scale, bias)),
+                                     x_kind=x_kind, w_kind="int8", group=group, m=m,
+                                     lead=lead, who="int8_gated_residual_triton")
+    y_shape = tuple(lead_out) + (N,) if y_shape is None else tuple(y_shape)
+    if not y_shape or y_shape[-1] != N or math.prod(y_shape) != M * N:
+        raise ValueError(f"int8_gated_residual_triton: y_shape {y_shape} is not [..., {N}] "
+                         f"with {M * N} elements")
+    if out is None:
+        out = torch.empty(y_shape, dtype=torch.float32, device=x.device)
+    for label, t in (("gate", gate), ("residual", residual), ("out", out)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.device != x.device:
+            raise ValueError(f"int8_gated_residual_triton: {label} must be a float32 tensor "
+                             f"on {x.device}")
+    try:
+        p = _gr_plan(y_shape, gate, residual, out)
+    except ValueError as e:
+        raise ValueError(f"int8_gated_residual_triton: {e}") from None
+    if x_kind == "float":
+        xq = _i8.quantize_i8_convrot_triton(x.reshape(M, K).contiguous(), group, block=block)
+        qx, xs = unpack(xq, M, K)
+    elif x_kind == "packed":
+        qx, xs = unpack(x, M, K)
+    else:
+        qx, xs = x.reshape(M, K), x_scale.reshape(M)
+    acc = out.view(torch.int32).view(M, N) if out.is_contiguous() else \
+        torch.empty(M, N, dtype=torch.int32, device=out.device)
+    _gemm(qx, w, acc)
+    _gr_launch(p, acc, xs, w_scale, bias, gate, residual, out, scale_op, scale)
+    return out
+
+
+class Int8GatedResidualCUDA:
+    """``int8_gated_residual`` on CUDA (interface:
+    ``fxbackend.patterns.int8_fusions.Int8GatedResidualFusion``): ``torch._int_mm`` then
+    ``_i8_gr_kernel``.  Not declared capture-safe: with a float weight (what the quantize
+    option produces) the step decides on the host, per call, whether the weight changed
+    (``patterns/int8.WeightState``), which a captured CUDA graph would not repeat."""
+
+    name = "int8_gated_residual_triton"
+    #: a float weight is re-quantized when the host sees it change (above): not capturable
+    capture_safe = False
+
+    def why_not_linear(self, node) -> str | None:
+        return _i8.linear_why_not(node)
+
+    def why_not(self, y, gate, residual, out) -> str | None:
+        why = epilogue_why_not(y, gate, residual, out, "cuda", _grk._plan)
+        if why is None and y.dtype != torch.float32:
+            why = f"dtype {y.dtype} (the int8 linear's output is float32)"
+        return why
+
+    def compile(self, linear, y, gate, residual, out, scale_op) -> None:
+        """Plan-time warm-up of the quantize kernels the step launches (float operands) and of
+        the epilogue (CUDA only)."""
+        dev = y.device
+        if dev.type != "cuda":
+            return
+        p = linear.params
+        metas = [s.meta for s in linear.srcs]
+        M, K, N, _ = check_linear(*_linear_metas(metas, p), x_kind=p["x_kind"],
+                                  w_kind=p["w_kind"], group=p["group"], m=p["m"],
+                                  lead=p["lead"])
+        _warm_quantize(dev, p, metas, M, K, N)
+        grid, args, block_r, block_c = _grk._plan(
+            tuple(y.shape), tuple(gate.shape), tuple(gate.stride), tuple(residual.shape),
+            tuple(residual.stride), tuple(out.stride))
+        if grid[0] == 0 or grid[1] == 0:
+            return
+        b = metas[-1] if p.get("has_bias") else None
+        _warmup_on(dev, _gr_kernel, (torch.int32, torch.float32, torch.float32,
+                                     torch.int32 if b is None else b.dtype, gate.dtype,
+                                     residual.dtype, out.dtype, *args, 1.0),
+                   dict(HAS_BIAS=b is not None, HAS_SCALE=scale_op is not None,
+                        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=_grk.NUM_WARPS,
+                        enable_fp_fusion=False, grid=grid))
+
+    def quantize(self, x, group, q, scales, m, mp) -> None:
+        _i8.quantize_rows_triton(x, group, q, scales, m, mp)
+
+    def run(self, qx, xs, qw, ws, bias, acc, gate, residual, out, *, y_shape, scale_op,
+            scale) -> None:
+        _gemm(qx, qw, acc)
+        _gr_launch(_gr_plan(y_shape, gate, residual, out), acc, xs, ws, bias, gate, residual,
+                   out, scale_op, scale)
+
+
+# -- int8_linear_act_quantize ----------------------------------------------------------------------
+
+def _actq_plan(m: int, n: int, group: int, block: int | None = None) -> tuple:
+    _check_group(n, group)
+    blk = _i8._block(n, block)
+    if blk % group or blk & (blk - 1):
+        raise ValueError(f"block {blk} must be a power of two and a multiple of group={group}")
+    return (padded_rows(m),), blk, 4 if blk <= 1024 else 8
+
+
+def _actq_launch(acc, xs, ws, bias, out, act, group, block=None) -> None:
+    m, n = acc.shape
+    grid, blk, nw = _actq_plan(m, n, group, block)
+    if grid[0] == 0:
+        return
+    q, sc = _packed_parts(out, m, n)
+    nst = hadamard_stages(group)
+    _launch_on(acc.device, _actq()[grid],
+               (acc, xs, ws, acc if bias is None else bias, q, sc, m, n, 2.0 ** -nst),
+               dict(ACT=_ACT_ID[act], HAS_BIAS=bias is not None, NST=nst, BLOCK=blk,
+                    ONE_PASS=n <= blk, num_warps=nw, enable_fp_fusion=False))
+
+
+def int8_linear_act_quantize_triton(qx, x_scale, w, w_scale, bias=None, *, act, group=1,
+                                    out=None, block=None) -> torch.Tensor:
+    """``quantize(act(linear_i8(qx, w)), group)`` for int8 rows ``qx [M, K]`` (their float32
+    scales ``x_scale``) and an int8 weight ``w [N, K]`` (``w_scale``): ``torch._int_mm`` into a
+    temporary accumulator, then ``_i8_actq_kernel``; the packed layout (into ``out`` when
+    given).  ``block``: features per block (tests: small ones take the two-pass path).  Checks
+    the op's contract only (shapes ``torch._int_mm`` on CUDA rejects raise its error)."""
+    M, K, N, _ = check_linear(*(None if t is None else TensorMeta.of(t)
+                                for t in (qx, w, w_scale, x_scale, bias)),
+                              x_kind="int8", w_kind="int8", group=1, m=-1, lead=(),
+                              who="int8_linear_act_quantize_triton")
+    if act not in PRE_ACTS:
+        raise ValueError(f"int8_linear_act_quantize_triton: activation {act!r}")
+    if out is None:
+        out = torch.empty(packed_nbytes(M, N), dtype=torch.int8, device=qx.device)
+    try:
+        _actq_plan(M, N, group, block)
+    except ValueError as e:
+        raise ValueError(f"int8_linear_act_quantize_triton: {e}") from None
+    acc = torch.empty(M, N, dtype=torch.int32, device=qx.device)
+    _gemm(qx, w, acc)
+    _actq_launch(acc, x_scale, w_scale, bias, out, act, group, block)
+    return out
+
+
+class Int8LinearActQuantizeCUDA(Int8GatedResidualCUDA):
+    """``int8_linear_act_quantize`` on CUDA (interface:
+    ``fxbackend.patterns.int8_fusions.Int8LinearActQuantizeFusion``): ``torch._int_mm`` into
+    workspace, then ``_i8_actq_kernel``.  Not capture-safe, for the reason
+    :class:`Int8GatedResidualCUDA` gives."""
+
+    name = "int8_linear_act_quantize_triton"
+
+    def why_not_act(self, m, n, out, act, group) -> str | None:
+        try:
+            if act not in PRE_ACTS:
+                return f"activation {act!r} (one of {PRE_ACTS})"
+            _actq_plan(m, n, group)
+            why = _why_not_cuda((out,))
+            return why if why is not None else _why_not_out(out, m, n)
+        except (ValueError, TypeError, AttributeError) as e:
+            return str(e)
+
+    def compile_act(self, linear, act, group) -> None:
+        """Plan-time warm-up of the quantize kernels (float operands) and of the pass."""
+        dev = linear.meta.device
+        if dev.type != "cuda":
+            return
+        p = linear.params
+        metas = [s.meta for s in linear.srcs]
+        M, K, N, _ = check_linear(*_linear_metas(metas, p), x_kind=p["x_kind"],
+                                  w_kind=p["w_kind"], group=p["group"], m=p["m"],
+                                  lead=p["lead"])
+        _warm_quantize(dev, p, metas, M, K, N)
+        grid, blk, nw = _actq_plan(M, N, group)
+        b = metas[-1] if p.get("has_bias") else None
+        nst = hadamard_stages(group)
+        _warmup_on(dev, _actq, (torch.int32, torch.float32, torch.float32,
+                                torch.int32 if b is None else b.dtype, torch.int8,
+                                torch.float32, M, N, 2.0 ** -nst),
+                   dict(ACT=_ACT_ID[act], HAS_BIAS=b is not None, NST=nst, BLOCK=blk,
+                        ONE_PASS=N <= blk, num_warps=nw, enable_fp_fusion=False, grid=grid))
+
+    def run_act(self, qx, xs, qw, ws, bias, acc, out, *, act, group) -> None:
+        _gemm(qx, qw, acc)
+        _actq_launch(acc, xs, ws, bias, out, act, group)
+
+
+def _warm_quantize(dev, p, metas, M, K, N) -> None:
+    """Plan-time warm-up of int8's quantize kernel for the float operands of a linear."""
+    nst = hadamard_stages(p["group"])
+    blk = _i8._block(K)
+    quantized = ([(metas[0], M, padded_rows(M))] if p["x_kind"] == "float" else []) + \
+        ([(metas[1], N, N)] if p["w_kind"] == "float" else [])
+    for t, rows, grid_rows in quantized:
+        _warmup_on(dev, _i8._quantize, (t.dtype, torch.int8, torch.float32, rows, K,
+                                        2.0 ** -nst),
+                   dict(NST=nst, BLOCK=blk, ONE_PASS=K <= blk,
+                        num_warps=4 if blk <= 1024 else 8, enable_fp_fusion=False,
+                        grid=(grid_rows,)))
+
+
+def _linear_metas(metas, p) -> list:
+    s = linear_srcs(metas, p)
+    return [s["x"], s["w"], s["w_scale"], s["x_scale"], s["bias"]]
+
+
+# -- the quantize-feeding kernels: launch plans (pure Python, metadata only) -----------------------
+
+def _check_group(k: int, group: Any) -> None:
+    if isinstance(group, bool) or group not in REGULAR_HADAMARD_GROUPS:
+        raise ValueError(f"group {group!r} (one of {REGULAR_HADAMARD_GROUPS})")
+    if k == 0 or k % group:
+        raise ValueError(f"{k} features is not a positive multiple of group={group}")
+
+
+def _lead(shape: tuple, *strides: tuple) -> list:
+    dims = _merge_lead_dims(tuple(shape[:-1]), *(tuple(s[:-1]) for s in strides))
+    if len(dims) > MAX_LEAD_DIMS:
+        raise ValueError(f"leading dims {tuple(shape[:-1])} merge to {len(dims)} dims; the "
+                         f"kernel takes at most {MAX_LEAD_DIMS}")
+    return [(1,) + (0,) * len(strides)] * (MAX_LEAD_DIMS - len(dims)) + dims
+
+
+@dataclasses.dataclass(frozen=True)
+class _RowLaunch:
+    grid: tuple
+    args: tuple
+    block: int
+    num_warps: int
+
+
+def _concrete(*vals) -> None:
+    for v in vals:
+        if type(v) is not int:
+            raise ValueError(f"shapes and strides must be concrete ints, got {v!r}")
+
+
+@functools.lru_cache(maxsize=512)
+def _modq_plan(shape: tuple, xst: tuple, sst: tuple, hst: tuple, group: int) -> _RowLaunch:
+    """Launch parameters of ``_modq_kernel`` (scale/shift strides expanded to x's shape);
+    ValueError for what it does not take."""
+    _concrete(*shape, *xst, *sst, *hst)
+    if not shape or not len(shape) == len(xst) == len(sst) == len(hst):
+        raise ValueError("scale and shift must be expanded to x's shape")
+    d = shape[-1]
+    _check_group(d, group)
+    if d > MAX_D:
+        raise ValueError(f"row size {d} is over MAX_D={MAX_D} (a row held in registers)")
+    dims = _lead(shape, xst, sst, hst)
+    n_rows = math.prod(shape[:-1])
+    block_d = max(_next_pow2(d), 4)
+    args = (n_rows, d, dims[1][0], dims[2][0], dims[3][0], *(t[1] for t in dims),
+            *(t[2] for t in dims), *(t[3] for t in dims), xst[-1], sst[-1], hst[-1])
+    return _RowLaunch((padded_rows(n_rows),), args, block_d, num_warps(1, max(_next_pow2(d), 2)))
+
+
+@functools.lru_cache(maxsize=512)
+def _rmsq_plan(shape: tuple, xst: tuple, w_stride: int, group: int) -> _RowLaunch:
+    _concrete(*shape, *xst, w_stride)
+    if not shape:
+        raise ValueError("x is a scalar")
+    d = shape[-1]
+    _check_group(d, group)
+    if d > MAX_D:
+        raise ValueError(f"row size {d} is over MAX_D={MAX_D} (a row held in registers)")
+    if xst[-1] != 1 and d > 1:
+        raise ValueError("x's features are strided")
+    dims = _lead(shape, xst)
+    n_rows = math.prod(shape[:-1])
+    args = (n_rows, d, dims[1][0], dims[2][0], dims[3][0], *(t[1] for t in dims), w_stride)
+    return _RowLaunch((padded_rows(n_rows),), args, max(_next_pow2(d), 4),
+                      num_warps(1, max(_next_pow2(d), 2)))
+
+
+@functools.lru_cache(maxsize=512)
+def _preq_plan(shape: tuple, xst: tuple, ost: tuple, group: int,
+               block: int | None = None) -> _RowLaunch:
+    _concrete(*shape, *xst, *ost)
+    if not shape or len(xst) != len(shape) or len(ost) != len(shape):
+        raise ValueError("the multiplier must be expanded to x's shape")
+    k = shape[-1]
+    _check_group(k, group)
+    blk = _i8._block(k, block)
+    if blk % group or blk & (blk - 1):
+        raise ValueError(f"block {blk} must be a power of two and a multiple of group={group}")
+    dims = _lead(shape, xst, ost)
+    n_rows = math.prod(shape[:-1])
+    args = (n_rows, k, dims[1][0], dims[2][0], dims[3][0], *(t[1] for t in dims),
+            *(t[2] for t in dims), xst[-1], ost[-1])
+    return _RowLaunch((padded_rows(n_rows),), args, blk, 4 if blk <= 1024 else 8)
+
+
+def _why_not_cuda(metas: tuple, any_device: bool = False) -> str | None:
+    if not all(isinstance(m, TensorMeta) for m in metas):
+        return "inputs are not tensors"
+    dev = metas[0].device
+    if (dev.type != "cuda" and not any_device) or any(m.device != dev for m in metas):
+        return "not on one CUDA device"
+    if any(m.is_symbolic for m in metas):
+        return "symbolic metadata"
+    return None
+
+
+def _why_not_out(out, m, k) -> str | None:
+    if out.dtype != torch.int8 or tuple(out.shape) != (packed_nbytes(m, k),) or \
+            not out.is_contiguous or out.storage_offset % 4:
+        return f"out must be the packed int8 vector of {packed_nbytes(m, k)} bytes at a " \
+               f"storage offset divisible by 4"
+    return None
+
+
+def _packed_parts(out, m, k) -> tuple:
+    mp = padded_rows(m)
+    return out[:mp * k], out[mp * k:mp * k + 4 * mp].view(torch.float32)
+
+
+# -- modulation_quantize ---------------------------------------------------------------------------
+
+def _modq_why_not(x, scale, shift, out, norm, group, any_device=False) -> str | None:
+    try:
+        why = _why_not_cuda((x, scale, shift, out), any_device)
+        if why is not None:
+            return why
+        if x.dtype not in DTYPES or scale.dtype != x.dtype or shift.dtype != x.dtype:
+            return "dtypes (one of float32, bfloat16, float16 for x, scale and shift)"
+        if norm not in NORMS:
+            return f"norm {norm!r} (one of {NORMS})"
+        if tuple(scale.shape) != tuple(x.shape) or tuple(shift.shape) != tuple(x.shape):
+            return "scale/shift are not expanded to x's shape"
+        _modq_plan(tuple(x.shape), tuple(x.stride), tuple(scale.stride), tuple(shift.stride),
+                   group)
+        k = int(x.shape[-1])
+        return _why_not_out(out, x.numel // k, k)
+    except (ValueError, TypeError, AttributeError) as e:
+        return str(e)
+
+
+def _modq_launch(p: _RowLaunch, x, scale, shift, out, norm, eps, add_c, group) -> None:
+    if p.grid[0] == 0:
+        return
+    d = x.shape[-1]
+    q, sc = _packed_parts(out, x.numel() // d, d)
+    nst = hadamard_stages(group)
+    _launch_on(x.device, _modq()[p.grid],
+               (x, scale, shift, q, sc, *p.args, float(eps),
+                0.0 if add_c is None else float(add_c), 2.0 ** -nst),
+               dict(IS_RMS=norm == "rms", HAS_ADD=add_c is not None, NST=nst, BLOCK_D=p.block,
+                    num_warps=p.num_warps, enable_fp_fusion=False))
+
+
+def modulation_quantize_triton(x, scale, shift, out=None, *, norm="layer", eps=1e-6, add_c=1.0,
+                               group=1) -> torch.Tensor:
+    """``quantize_i8_convrot_triton(modulation_triton(x, scale, shift, ...), group)`` in one
+    kernel: the packed layout (into ``out`` when given).  ``scale``/``shift`` broadcast to x.
+    One CUDA device, or the CPU under ``TRITON_INTERPRET=1``.  ValueError for what the kernel
+    does not take."""
+    for label, t in (("x", x), ("scale", scale), ("shift", shift)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"modulation_quantize_triton: {label} is not a tensor")
+    try:
+        scale, shift = scale.expand(x.shape), shift.expand(x.shape)
+    except RuntimeError as e:
+        raise ValueError(f"modulation_quantize_triton: scale/shift do not broadcast to x: {e}") \
+            from None
+    d = x.shape[-1] if x.dim() else 0
+    m = x.numel() // d if d else 0
+    if out is None:
+        out = torch.empty(packed_nbytes(m, d), dtype=torch.int8, device=x.device)
+    TM = TensorMeta.of
+    why = _modq_why_not(TM(x), TM(scale), TM(shift), TM(out), norm, group, any_device=True)
+    if why is not None:
+        raise ValueError(f"modulation_quantize_triton: unsupported input: {why}")
+    p = _modq_plan(tuple(x.shape), tuple(x.stride()), tuple(scale.stride()),
+                   tuple(shift.stride()), group)
+    _modq_launch(p, x, scale, shift, out, norm, eps, add_c, group)
+    return out
+
+
+class ModulationQuantizeCUDA:
+    """``modulation_quantize`` on CUDA (interface:
+    ``fxbackend.patterns.int8_fusions.ModulationQuantizeFusion``)."""
+
+    name = "modulation_quantize_triton"
+    #: launches only (no allocation, no host synchronisation): CUDA graphs may capture it
+    capture_safe = True
+
+    def why_not(self, x, scale, shift, out, norm, group) -> str | None:
+        return _modq_why_not(x, scale, shift, out, norm, group)
+
+    def compile(self, x, scale, shift, out, norm, has_add, group) -> None:
+        if x.device.type != "cuda":
+            return
+        p = _modq_plan(tuple(x.shape), tuple(x.stride), tuple(scale.stride),
+                       tuple(shift.stride), group)
+        if p.grid[0] == 0:
+            return
+        nst = hadamard_stages(group)
+        _warmup_on(x.device, _modq, (x.dtype, x.dtype, x.dtype, torch.int8, torch.float32,
+                                     *p.args, 1e-6, 1.0, 2.0 ** -nst),
+                   dict(IS_RMS=norm == "rms", HAS_ADD=has_add, NST=nst, BLOCK_D=p.block,
+                        num_warps=p.num_warps, enable_fp_fusion=False, grid=p.grid))
+
+    def run(self, x, scale, shift, out, *, norm, eps, add_c, group) -> None:
+        p = _modq_plan(tuple(x.shape), tuple(x.stride()), tuple(scale.stride()),
+                       tuple(shift.stride()), group)
+        _modq_launch(p, x, scale, shift, out, norm, eps, add_c, group)
+
+
+# -- rms_norm_quantize -----------------------------------------------------------------------------
+
+def _rmsq_why_not(x, w, norm_out, out, group, weight_in_float=False,
+                  any_device=False) -> str | None:
+    try:
+        why = _why_not_cuda((x, out) if w is None else (x, w, out), any_device)
+        if why is not None:
+            return why
+        if weight_in_float and w is not None and (x.dtype != torch.float32 or
+                                                  w.dtype != torch.float32):
+            return "weight_in_float (torch.nn.RMSNorm's 16-bit order): not the Triton " \
+                   "RMSNorm's order"
+        if x.dtype not in DTYPES or (w is not None and w.dtype not in DTYPES):
+            return "dtypes (float32, bfloat16 or float16)"
+        if norm_out.dtype not in _DT_ID or tuple(norm_out.shape) != tuple(x.shape):
+            return "the norm's output metadata"
+        if w is not None and (tuple(w.shape) != (x.shape[-1],) or len(w.stride) != 1):
+            return f"weight shape {tuple(w.shape)}"
+        _rmsq_plan(tuple(x.shape), tuple(x.stride), int(w.stride[0]) if w is not None else 0,
+                   group)
+        k = int(x.shape[-1])
+        return _why_not_out(out, x.numel // k, k)
+    except (ValueError, TypeError, AttributeError) as e:
+        return str(e)
+
+
+def _rmsq_launch(x, w, out, eps, norm_dtype, group) -> None:
+    p = _rmsq_plan(tuple(x.shape), tuple(x.stride()), int(w.stride(0)) if w is not None else 0,
+                   group)
+    if p.grid[0] == 0:
+        return
+    d = x.shape[-1]
+    q, sc = _packed_parts(out, x.numel() // d, d)
+    nst = hadamard_stages(group)
+    _launch_on(x.device, _rmsq()[p.grid],
+               (x, x if w is None else w, q, sc, *p.args, float(eps), 2.0 ** -nst),
+               dict(HAS_WEIGHT=w is not None, OUT_DT=_DT_ID[norm_dtype], NST=nst,
+                    BLOCK_D=p.block, num_warps=p.num_warps, enable_fp_fusion=False))
+
+
+def rms_norm_quantize_triton(x, weight, eps, group=1, out=None) -> torch.Tensor:
+    """``quantize_i8_convrot_triton(rms_norm_triton(x, weight, eps), group)`` in one kernel
+    (diffusers' weight order); the packed layout.  ValueError for what it does not take."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError("rms_norm_quantize_triton: x is not a tensor")
+    d = x.shape[-1] if x.dim() else 0
+    m = x.numel() // d if d else 0
+    if out is None:
+        out = torch.empty(packed_nbytes(m, d), dtype=torch.int8, device=x.device)
+    nd = rms_norm_out_dtype(x.dtype, None if weight is None else weight.dtype)
+    TM = TensorMeta.of
+    why = _rmsq_why_not(TM(x), None if weight is None else TM(weight),
+                        TensorMeta.contiguous(tuple(x.shape), nd, x.device), TM(out), group,
+                        any_device=True)
+    if why is not None:
+        raise ValueError(f"rms_norm_quantize_triton: unsupported input: {why}")
+    _rmsq_launch(x, weight, out, eps, nd, group)
+    return out
+
+
+class RmsNormQuantizeCUDA:
+    """``rms_norm_quantize`` on CUDA (interface:
+    ``fxbackend.patterns.int8_fusions.RmsNormQuantizeFusion``).  ``weight_in_float`` is taken
+    only where it means the same as diffusers' order (float32 x and weight), as the RMSNorm
+    Triton kernel, which lacks that order, would otherwise not run the unfused node either."""
+
+    name = "rms_norm_quantize_triton"
+    #: launches only (no allocation, no host synchronisation): CUDA graphs may capture it
+    capture_safe = True
+
+    def why_not(self, x, w, norm_out, out, group, weight_in_float=False) -> str | None:
+        return _rmsq_why_not(x, w, norm_out, out, group, weight_in_float)
+
+    def compile(self, x, w, norm_out, out, group) -> None:
+        if x.device.type != "cuda":
+            return
+        p = _rmsq_plan(tuple(x.shape), tuple(x.stride),
+                       int(w.stride[0]) if w is not None else 0, group)
+        if p.grid[0] == 0:
+            return
+        nst = hadamard_stages(group)
+        _warmup_on(x.device, _rmsq, (x.dtype, x.dtype if w is None else w.dtype, torch.int8,
+                                     torch.float32, *p.args, 1e-6, 2.0 ** -nst),
+                   dict(HAS_WEIGHT=w is not None, OUT_DT=_DT_ID[norm_out.dtype], NST=nst,
+                        BLOCK_D=p.block, num_warps=p.num_warps, enable_fp_fusion=False,
+                        grid=p.grid))
+
+    def run(self, x, w, out, *, eps, norm_dtype, weight_in_float, group) -> None:
+        if weight_in_float and w is not None and (x.dtype != torch.float32 or
+                                                  w.dtype != torch.float32):
+            raise ValueError("rms_norm_quantize_triton: weight_in_float with 16-bit operands "
+                             "(declined at plan time)")
+        _rmsq_launch(x, w, out, eps, norm_dtype, group)
+
+
+# -- act_quantize / scale_quantize -----------------------------------------------------------------
+
+def _preq_why_not(x, other, out, act, scale_op, group, any_device=False) -> str | None:
+    try:
+        why = _why_not_cuda((x, out) if other is None else (x, other, out), any_device)
+        if why is not None:
+            return why
+        if x.dtype not in DTYPES or (other is not None and other.dtype != x.dtype):
+            return "dtypes (one of float32, bfloat16, float16 for x and the multiplier)"
+        if act not in _ACT_ID or scale_op not in _OPS:
+            return f"activation {act!r} / scale {scale_op!r}"
+        if other is not None and tuple(other.shape) != tuple(x.shape):
+            return "the multiplier must be expanded to x's shape"
+        _preq_plan(tuple(x.shape), tuple(x.stride),
+                   tuple(x.stride if other is None else other.stride), group)
+        k = int(x.shape[-1])
+        return _why_not_out(out, x.numel // k, k)
+    except (ValueError, TypeError, AttributeError) as e:
+        return str(e)
+
+
+def _preq_launch(x, other, out, act, scale_op, scale, group, block=None) -> None:
+    p = _preq_plan(tuple(x.shape), tuple(x.stride()),
+                   tuple(x.stride() if other is None else other.stride()), group, block)
+    if p.grid[0] == 0:
+        return
+    k = x.shape[-1]
+    q, sc = _packed_parts(out, x.numel() // k, k)
+    nst = hadamard_stages(group)
+    _launch_on(x.device, _preq()[p.grid],
+               (x, x if other is None else other, q, sc, *p.args,
+                _scale_value(scale_op, scale), 2.0 ** -nst),
+               dict(ACT=_ACT_ID[act], HAS_O=other is not None, OP=_OPS[scale_op], NST=nst,
+                    BLOCK=p.block, ONE_PASS=k <= p.block, num_warps=p.num_warps,
+                    enable_fp_fusion=False))
+
+
+def act_quantize_triton(x, other=None, out=None, *, act=None, scale_op=None, scale=None,
+                        group=1, block=None) -> torch.Tensor:
+    """``sd.quantize_i8_convrot.v1(v) {group}`` of ``v = [act](x) [* other] [* | / scale]``
+    (each step rounded to x's dtype; the activation is ``cuda_kernels/activation.py``'s; a
+    division multiplies by the float32 reciprocal, as CUDA eager) in one kernel: the packed
+    layout.  ``block``: the features per block (tests: a small one takes the two-pass path).
+    ValueError for what the kernel does not take."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError("act_quantize_triton: x is not a tensor")
+    if other is not None:
+        try:
+            other = other.expand(x.shape)
+        except RuntimeError as e:
+            raise ValueError(f"act_quantize_triton: other does not broadcast to x: {e}") \
+                from None
+    d = x.shape[-1] if x.dim() else 0
+    m = x.numel() // d if d else 0
+    if out is None:
+        out = torch.empty(packed_nbytes(m, d), dtype=torch.int8, device=x.device)
+    TM = TensorMeta.of
+    why = _preq_why_not(TM(x), None if other is None else TM(other), TM(out), act, scale_op,
+                        group, any_device=True)
+    if why is None and block is not None:
+        try:
+            _preq_plan(tuple(x.shape), tuple(x.stride()),
+                       tuple(x.stride() if other is None else other.stride()), group, block)
+        except ValueError as e:
+            why = str(e)
+    if why is not None:
+        raise ValueError(f"act_quantize_triton: unsupported input: {why}")
+    _preq_launch(x, other, out, act, scale_op, scale, group, block)
+    return out
+
+
+class PrologueQuantizeCUDA:
+    """``act_quantize`` and ``scale_quantize`` on CUDA (interface:
+    ``fxbackend.patterns.int8_fusions._PrologueQuantize``)."""
+
+    name = "prologue_quantize_triton"
+    #: launches only (no allocation, no host synchronisation): CUDA graphs may capture it
+    capture_safe = True
+
+    def why_not(self, x, other, out, act, scale_op, group) -> str | None:
+        return _preq_why_not(x, other, out, act, scale_op, group)
+
+    def compile(self, x, other, out, act, scale_op, group) -> None:
+        if x.device.type != "cuda":
+            return
+        p = _preq_plan(tuple(x.shape), tuple(x.stride),
+                       tuple(x.stride if other is None else other.stride), group)
+        if p.grid[0] == 0:
+            return
+        nst = hadamard_stages(group)
+        k = x.shape[-1]
+        _warmup_on(x.device, _preq, (x.dtype, x.dtype, torch.int8, torch.float32, *p.args,
+                                     1.0, 2.0 ** -nst),
+                   dict(ACT=_ACT_ID[act], HAS_O=other is not None, OP=_OPS[scale_op], NST=nst,
+                        BLOCK=p.block, ONE_PASS=k <= p.block, num_warps=p.num_warps,
+                        enable_fp_fusion=False, grid=p.grid))
+
+    def run(self, x, other, out, *, act, scale_op, scale, group) -> None:
+        _preq_launch(x, other, out, act, scale_op, scale, group)
+
+
+_PRE = PrologueQuantizeCUDA()
+fxbackend.register_fusion("cuda", Int8GatedResidualFusion(Int8GatedResidualCUDA()))
+fxbackend.register_fusion("cuda", Int8LinearActQuantizeFusion(Int8LinearActQuantizeCUDA()))
+fxbackend.register_fusion("cuda", ModulationQuantizeFusion(ModulationQuantizeCUDA()))
+fxbackend.register_fusion("cuda", RmsNormQuantizeFusion(RmsNormQuantizeCUDA()))
+fxbackend.register_fusion("cuda", ActQuantizeFusion(_PRE))
+fxbackend.register_fusion("cuda", ScaleQuantizeFusion(_PRE))
