@@ -10,8 +10,8 @@ compile with ``reassoc``):
 
 - the quantize step: ``cpu_kernels/int8.py``'s ``_quantize_row`` (the rotation's butterfly
   stages, the integer-bits amax, the true division and round-half-even of the codes);
-- ``modulation_quantize``: ``cpu_kernels/modulation.py``'s ``_row_offsets``, ``_sum``,
-  ``_sum_dev_sq`` and ``_modulate`` (its two-pass statistics over a float32 scratch row);
+- ``modulation_quantize``: ``cpu_kernels/modulation.py``'s ``_row_offsets``, ``_load_row``,
+  ``_row_stats`` and ``_modulate`` (its two-pass statistics over a float32 scratch row);
 - ``rms_norm_quantize``: ``cpu_kernels/rmsnorm.py``'s ``_inv_rms`` and ``_normed``;
 - ``int8_gated_residual``: ``cpu_kernels/int8.py``'s epilogue formula and
   ``cpu_kernels/gated_residual.py``'s ``_row_unit``/``_row_strided``;
@@ -79,7 +79,8 @@ from fxbackend.patterns.int8_fusions import (PRE_ACTS, ActQuantizeFusion,
                                              Int8GatedResidualFusion,
                                              Int8LinearActQuantizeFusion,
                                              ModulationQuantizeFusion, RmsNormQuantizeFusion,
-                                             ScaleQuantizeFusion)
+                                             ScaleQuantizeFusion, expand_scale_shift,
+                                             packed_out)
 from fxbackend.patterns.rmsnorm import rms_norm_out_dtype
 
 from . import _numba
@@ -91,7 +92,7 @@ from . import rmsnorm as _rms
 from .activation import _expf, _gelu_erf, _gelu_tanh, _silu
 from .gated_residual import _row_strided, _row_unit
 from .int8 import _quantize_row, quantize_rows_cpu
-from .modulation import _modulate, _row_offsets, _sum, _sum_dev_sq
+from .modulation import _load_row, _modulate, _row_offsets, _row_stats
 from .rmsnorm import _inv_rms, _normed, _round_as
 from .rope import (_NP_OF, _bcast_offsets, _compile_lock, _flat, _load, _set_threads,
                    _why_not_metas)
@@ -124,6 +125,23 @@ def _zero_row(q, scales, ru, ku):
     scales[ru] = np.float32(0.0)
 
 
+def _epilogue_row(yv, ar, sx, ws, b, has_b, c):
+    """linear_i8's epilogue of accumulator row ``ar`` (x scale ``sx``) into the float32 scratch
+    row ``yv``: ``(float32(acc) * sx) * ws[e] [+ float32(b[e])]``."""
+    if has_b:
+        for e in range(c):
+            yv[e] = (np.float32(ar[e]) * sx) * ws[e] + _load(b, e)
+    else:
+        for e in range(c):
+            yv[e] = (np.float32(ar[e]) * sx) * ws[e]
+
+
+def _quantize_into(xv, b0, b1, q, scales, ru, ku, nst, inv):
+    """Packed row ``ru`` (``ku`` codes) and its scale from the float32 row ``xv`` (``b0``/``b1``:
+    the rotation's scratch rows)."""
+    scales[ru] = _quantize_row(xv, b0, b1, q[ru * ku:(ru + np.uint64(1)) * ku], ku, nst, inv)
+
+
 def _activate(x, xv, d, act):
     """``xv = round_T(act(xv))`` in place (T: x's element type); one loop per activation."""
     if act == 1:
@@ -141,7 +159,20 @@ def _activate(x, xv, d, act):
 
 
 def _tasks(nrows, threads_rows):
+    """How many parallel tasks of ``threads_rows`` rows cover ``nrows`` rows."""
     return (nrows + threads_rows - 1) // threads_rows
+
+
+def _task_rows(task, chunk, nrows):
+    """Rows ``r0 .. r1-1`` of parallel task ``task`` (``chunk`` rows a task, ``nrows`` in all;
+    int64, as ``prange`` indices may be unsigned)."""
+    r0 = np.int64(task) * chunk
+    return r0, min(nrows, r0 + chunk)
+
+
+def _scratch_rows(d):
+    """A task's float32 scratch rows of ``d`` values: the row itself and the rotation's two."""
+    return np.empty(d, np.float32), np.empty(d, np.float32), np.empty(d, np.float32)
 
 
 # -- kernels ---------------------------------------------------------------------------------------
@@ -154,17 +185,11 @@ def _i8_gr_kernel(acc, xs, ws, b, has_b, gate, res, out, nb, ns, c, gsb, gss, gs
     unit = gsc == 1 and rsc == 1 and osc == 1
     for task in prange(_tasks(nrows, rows_per_task)):
         yv = np.empty(c, np.float32)
-        r0 = np.int64(task) * rows_per_task  # prange indices may be unsigned
-        r1 = min(nrows, r0 + rows_per_task)
+        r0, r1 = _task_rows(task, rows_per_task, nrows)
         for r in range(r0, r1):
             ar = acc[r * c:r * c + c]
             sx = xs[r]
-            if has_b:
-                for e in range(c):
-                    yv[e] = (np.float32(ar[e]) * sx) * ws[e] + _load(b, e)
-            else:
-                for e in range(c):
-                    yv[e] = (np.float32(ar[e]) * sx) * ws[e]
+            _epilogue_row(yv, ar, sx, ws, b, has_b, c)
             bi = r // ns
             si = r - bi * ns
             go = bi * gsb + si * gss
@@ -181,11 +206,8 @@ def _i8_actq_kernel(acc, xs, ws, b, has_b, q, scales, m, mp, n, act, nst, inv, c
     (into the scratch ``yv``), the activation, then quantized; the rest padding."""
     ku = np.uint64(n)
     for task in prange(_tasks(mp, chunk)):
-        yv = np.empty(n, np.float32)
-        b0 = np.empty(n, np.float32)
-        b1 = np.empty(n, np.float32)
-        r0 = np.int64(task) * chunk
-        r1 = min(mp, r0 + chunk)
+        yv, b0, b1 = _scratch_rows(n)
+        r0, r1 = _task_rows(task, chunk, mp)
         for row in range(r0, r1):
             ru = np.uint64(row)
             if row >= m:
@@ -193,15 +215,9 @@ def _i8_actq_kernel(acc, xs, ws, b, has_b, q, scales, m, mp, n, act, nst, inv, c
                 continue
             ar = acc[row * n:row * n + n]
             sx = xs[row]
-            if has_b:
-                for e in range(n):
-                    yv[e] = (np.float32(ar[e]) * sx) * ws[e] + _load(b, e)
-            else:
-                for e in range(n):
-                    yv[e] = (np.float32(ar[e]) * sx) * ws[e]
+            _epilogue_row(yv, ar, sx, ws, b, has_b, n)
             _activate(yv, yv, n, act)
-            scales[ru] = _quantize_row(yv, b0, b1, q[ru * ku:(ru + np.uint64(1)) * ku], ku, nst,
-                                       inv)
+            _quantize_into(yv, b0, b1, q, scales, ru, ku, nst, inv)
 
 
 def _modq_kernel(x, s, h, q, scales, bt, d, xfs, sfs, hfs, eps, is_rms, has_add, c, m, mp,
@@ -210,28 +226,16 @@ def _modq_kernel(x, s, h, q, scales, bt, d, xfs, sfs, hfs, eps, is_rms, has_add,
     ``cpu_kernels/modulation.py``'s kernel does (into the scratch ``xv``), then quantized."""
     ku = np.uint64(d)
     for task in prange(_tasks(mp, chunk)):
-        xv = np.empty(d, np.float32)
-        b0 = np.empty(d, np.float32)
-        b1 = np.empty(d, np.float32)
-        r0 = np.int64(task) * chunk
-        r1 = min(mp, r0 + chunk)
+        xv, b0, b1 = _scratch_rows(d)
+        r0, r1 = _task_rows(task, chunk, mp)
         for row in range(r0, r1):
             ru = np.uint64(row)
             if row >= m:
                 _zero_row(q, scales, ru, ku)
                 continue
             xo, so, ho = _row_offsets(row, bt)
-            if xfs == 1:
-                xr = x[xo:xo + d]
-                for e in range(d):
-                    xv[e] = _load(xr, e)
-            else:
-                for e in range(d):
-                    xv[e] = _load(x, xo + e * xfs)
-            mean = np.float32(0.0)
-            if not is_rms:
-                mean = _sum(xv, d) / np.float32(d)
-            r = np.float32(1.0) / np.sqrt(_sum_dev_sq(xv, d, mean) / np.float32(d) + eps)
+            _load_row(x, xv, xo, xfs, d)
+            mean, r = _row_stats(xv, d, is_rms, eps)
             if sfs == 1 and hfs == 1:
                 sr = s[so:so + d]
                 hr = h[ho:ho + d]
@@ -242,8 +246,7 @@ def _modq_kernel(x, s, h, q, scales, bt, d, xfs, sfs, hfs, eps, is_rms, has_add,
                 for e in range(d):
                     xv[e] = _round_as(x, _modulate(x, xv[e], mean, r, _load(s, so + e * sfs),
                                                    _load(h, ho + e * hfs), has_add, c))
-            scales[ru] = _quantize_row(xv, b0, b1, q[ru * ku:(ru + np.uint64(1)) * ku], ku, nst,
-                                       inv)
+            _quantize_into(xv, b0, b1, q, scales, ru, ku, nst, inv)
 
 
 def _rmsq_kernel(x, w, like, q, scales, bt, d, eps, has_w, m, mp, nst, inv, chunk):
@@ -253,11 +256,8 @@ def _rmsq_kernel(x, w, like, q, scales, bt, d, eps, has_w, m, mp, nst, inv, chun
     so ``oo // d`` is its packed row."""
     ku = np.uint64(d)
     for task in prange(_tasks(mp, chunk)):
-        xv = np.empty(d, np.float32)
-        b0 = np.empty(d, np.float32)
-        b1 = np.empty(d, np.float32)
-        r0 = np.int64(task) * chunk
-        r1 = min(mp, r0 + chunk)
+        xv, b0, b1 = _scratch_rows(d)
+        r0, r1 = _task_rows(task, chunk, mp)
         for i in range(r0, r1):
             if i >= m:
                 _zero_row(q, scales, np.uint64(i), ku)
@@ -272,8 +272,7 @@ def _rmsq_kernel(x, w, like, q, scales, bt, d, eps, has_w, m, mp, nst, inv, chun
                 for e in range(d):
                     xv[e] = _round_as(like, _load(xr, e) * r)
             ru = np.uint64(oo // d)
-            scales[ru] = _quantize_row(xv, b0, b1, q[ru * ku:(ru + np.uint64(1)) * ku], ku, nst,
-                                       inv)
+            _quantize_into(xv, b0, b1, q, scales, ru, ku, nst, inv)
 
 
 def _preq_kernel(x, o, q, scales, bt, d, xfs, ofs, act, has_o, scale, op, m, mp, nst, inv,
@@ -282,24 +281,15 @@ def _preq_kernel(x, o, q, scales, bt, d, xfs, ofs, act, has_o, scale, op, m, mp,
     multiplier, scaled; each step rounded to x's type), then quantized."""
     ku = np.uint64(d)
     for task in prange(_tasks(mp, chunk)):
-        xv = np.empty(d, np.float32)
-        b0 = np.empty(d, np.float32)
-        b1 = np.empty(d, np.float32)
-        r0 = np.int64(task) * chunk
-        r1 = min(mp, r0 + chunk)
+        xv, b0, b1 = _scratch_rows(d)
+        r0, r1 = _task_rows(task, chunk, mp)
         for row in range(r0, r1):
             ru = np.uint64(row)
             if row >= m:
                 _zero_row(q, scales, ru, ku)
                 continue
             xo, oo, _ = _row_offsets(row, bt)
-            if xfs == 1:
-                xr = x[xo:xo + d]
-                for e in range(d):
-                    xv[e] = _load(xr, e)
-            else:
-                for e in range(d):
-                    xv[e] = _load(x, xo + e * xfs)
+            _load_row(x, xv, xo, xfs, d)
             _activate(x, xv, d, act)
             if has_o:
                 if ofs == 1:
@@ -315,15 +305,14 @@ def _preq_kernel(x, o, q, scales, bt, d, xfs, ofs, act, has_o, scale, op, m, mp,
             elif op == 2:
                 for e in range(d):
                     xv[e] = _round_as(x, xv[e] / scale)
-            scales[ru] = _quantize_row(xv, b0, b1, q[ru * ku:(ru + np.uint64(1)) * ku], ku, nst,
-                                       inv)
+            _quantize_into(xv, b0, b1, q, scales, ru, ku, nst, inv)
 
 
 def _build(numba) -> dict:
     from numba.extending import register_jitable
     for fn in (_sigmoid, _zero_row, _tasks):
         register_jitable(fn)
-    _numba.inline(_activate)
+    _numba.inline(_activate, _epilogue_row, _quantize_into, _task_rows, _scratch_rows)
     return dict(gr=_numba.njit(_i8_gr_kernel), mod=_numba.njit(_modq_kernel),
                 actq=_numba.njit(_i8_actq_kernel, error_model="numpy"),
                 rms=_numba.njit(_rmsq_kernel),
@@ -590,18 +579,9 @@ def modulation_quantize_cpu(x: torch.Tensor, scale: torch.Tensor, shift: torch.T
     kernel: the packed layout (into ``out`` when given: contiguous 1-D int8 of
     ``packed_nbytes(M, C)`` bytes).  ``scale``/``shift`` broadcast to x.  ValueError for inputs
     the kernel does not take."""
-    for label, t in (("x", x), ("scale", scale), ("shift", shift)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"modulation_quantize_cpu: {label} must be a tensor")
-    try:
-        scale, shift = scale.expand(x.shape), shift.expand(x.shape)
-    except RuntimeError as e:
-        raise ValueError(f"modulation_quantize_cpu: scale/shift do not broadcast to x: {e}") \
-            from None
-    d = x.shape[-1] if x.dim() else 0
-    m = x.numel() // d if d else 0
-    if out is None:
-        out = torch.empty(packed_nbytes(m, d), dtype=torch.int8)
+    scale, shift = expand_scale_shift("modulation_quantize_cpu", x, scale, shift,
+                                      "must be a tensor")
+    out = packed_out(x, out)
     TM = TensorMeta.of
     why = _modq_why_not(TM(x), TM(scale), TM(shift), TM(out), norm, group)
     if why is not None:
@@ -645,10 +625,7 @@ def rms_norm_quantize_cpu(x: torch.Tensor, weight: torch.Tensor | None, eps: flo
     if not isinstance(x, torch.Tensor) or (weight is not None and
                                            not isinstance(weight, torch.Tensor)):
         raise ValueError("rms_norm_quantize_cpu: x (and weight) must be tensors")
-    d = x.shape[-1] if x.dim() else 0
-    m = x.numel() // d if d else 0
-    if out is None:
-        out = torch.empty(packed_nbytes(m, d), dtype=torch.int8)
+    out = packed_out(x, out)
     nd = rms_norm_out_dtype(x.dtype, None if weight is None else weight.dtype, weight_in_float)
     TM = TensorMeta.of
     why = _rmsq_why_not(TM(x), None if weight is None else TM(weight),
@@ -717,10 +694,7 @@ def act_quantize_cpu(x: torch.Tensor, other: torch.Tensor | None = None,
             other = other.expand(x.shape)
         except RuntimeError as e:
             raise ValueError(f"act_quantize_cpu: other does not broadcast to x: {e}") from None
-    d = x.shape[-1] if x.dim() else 0
-    m = x.numel() // d if d else 0
-    if out is None:
-        out = torch.empty(packed_nbytes(m, d), dtype=torch.int8)
+    out = packed_out(x, out)
     TM = TensorMeta.of
     why = _preq_why_not(TM(x), None if other is None else TM(other), TM(out), act, scale_op,
                         group)

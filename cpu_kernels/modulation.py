@@ -58,6 +58,7 @@ def _build(numba):
     from numba.extending import register_jitable
     for fn in (_row_offsets, _modulate):
         register_jitable(fn)
+    _numba.inline(_load_row, _row_stats)
     _numba.reassoc(_sum, _sum_dev_sq)  # the sums alone (see the module docstring)
     return _numba.njit(_modulation_kernel)
 
@@ -98,6 +99,28 @@ def _row_offsets(row, bt):
     return xo, so, ho
 
 
+def _load_row(x, xv, xo, xfs, d):
+    """The row of x at element offset ``xo`` (feature stride ``xfs``) into the float32 scratch
+    row ``xv`` (``d`` values)."""
+    if xfs == 1:
+        xr = x[xo:xo + d]
+        for e in range(d):
+            xv[e] = _load(xr, e)
+    else:
+        for e in range(d):
+            xv[e] = _load(x, xo + e * xfs)
+
+
+def _row_stats(xv, d, is_rms, eps):
+    """``(mean, rstd)`` of the scratch row ``xv``: the two-pass statistics (mean 0.0 for the RMS
+    norm), each step rounded to float32."""
+    mean = np.float32(0.0)
+    if not is_rms:
+        mean = _sum(xv, d) / np.float32(d)
+    r = np.float32(1.0) / np.sqrt(_sum_dev_sq(xv, d, mean) / np.float32(d) + eps)
+    return mean, r
+
+
 def _modulate(x, v, mean, r, sv, hv, has_add, c):
     """One output value before its final rounding (module docstring); ``x`` gives T."""
     n = _round_as(x, (v - mean) * r)
@@ -119,17 +142,8 @@ def _modulation_kernel(x, s, h, out, bt, d, xfs, sfs, hfs, eps, is_rms, has_add,
         r1 = min(nrows, r0 + chunk)
         for row in range(r0, r1):
             xo, so, ho = _row_offsets(row, bt)
-            if xfs == 1:
-                xr = x[xo:xo + d]
-                for e in range(d):
-                    xv[e] = _load(xr, e)
-            else:
-                for e in range(d):
-                    xv[e] = _load(x, xo + e * xfs)
-            mean = np.float32(0.0)
-            if not is_rms:
-                mean = _sum(xv, d) / np.float32(d)
-            r = np.float32(1.0) / np.sqrt(_sum_dev_sq(xv, d, mean) / np.float32(d) + eps)
+            _load_row(x, xv, xo, xfs, d)
+            mean, r = _row_stats(xv, d, is_rms, eps)
             oo = row * d
             orow = out[oo:oo + d]
             if sfs == 1 and hfs == 1:

@@ -56,6 +56,8 @@ from fxbackend import TensorMeta
 from fxbackend.cuda_kernels import activation as _actk
 from fxbackend.cuda_kernels import gated_residual as _grk
 from fxbackend.cuda_kernels import int8 as _i8
+from fxbackend.cuda_kernels import modulation as _modk
+from fxbackend.cuda_kernels import rmsnorm as _rmsk
 from fxbackend.cuda_kernels import rope as _rope
 from fxbackend.cuda_kernels.rmsnorm import num_warps
 from fxbackend.cuda_kernels.rope import (DTYPES, MAX_LEAD_DIMS, _launch_on, _merge_lead_dims,
@@ -67,7 +69,8 @@ from fxbackend.patterns.int8_fusions import (PRE_ACTS, ActQuantizeFusion,
                                              Int8GatedResidualFusion,
                                              Int8LinearActQuantizeFusion,
                                              ModulationQuantizeFusion, RmsNormQuantizeFusion,
-                                             ScaleQuantizeFusion)
+                                             ScaleQuantizeFusion, expand_scale_shift,
+                                             packed_out)
 from fxbackend.patterns.modulation import NORMS
 from fxbackend.patterns.rmsnorm import rms_norm_out_dtype
 
@@ -139,6 +142,8 @@ def _lazy(fn):
         if not _helpers_jitted:
             _i8._quantize()
             _actk._kernels()
+            _modk._kernel()
+            _rmsk._kernel()
             with _helpers_lock:
                 if not _helpers_jitted:
                     import triton
@@ -200,24 +205,11 @@ def _modq_kernel(x_ptr, s_ptr, h_ptr, q_ptr, sc_ptr, n_rows, D, size1, size2, si
     s_row = _rope._lead_offset(i0, i1, i2, i3, ss0, ss1, ss2, ss3)
     h_row = _rope._lead_offset(i0, i1, i2, i3, hs0, hs1, hs2, hs3)
     f = tl.arange(0, BLOCK_D)
-    f_ok = f < D
-    m = row_ok[:, None] & f_ok[None, :]
-    x = tl.load(x_ptr + x_row[:, None] + f[None, :] * x_sf, mask=m, other=0.0).to(tl.float32)
-    if IS_RMS:
-        diff = x
-    else:
-        mean = tl.div_rn(tl.sum(x, axis=1), D + 0.0)
-        diff = tl.where(m, x - mean[:, None], 0.0)
-    var = tl.div_rn(tl.sum(diff * diff, axis=1), D + 0.0)
-    rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
-    t = x_ptr.dtype.element_ty  # T; every .to(t).to(float32) is a no-op for float32
-    n = (diff * rstd[:, None]).to(t).to(tl.float32)
-    s = tl.load(s_ptr + s_row[:, None] + f[None, :] * s_sf, mask=m, other=0.0).to(tl.float32)
-    if HAS_ADD:
-        s = (s + c).to(t).to(tl.float32)
-    y = (n * s).to(t).to(tl.float32)
-    h = tl.load(h_ptr + h_row[:, None] + f[None, :] * h_sf, mask=m, other=0.0).to(tl.float32)
-    v = tl.where(m, (y + h).to(t).to(tl.float32), 0.0)
+    m = row_ok[:, None] & (f < D)[None, :]
+    t = x_ptr.dtype.element_ty  # T
+    v = _modk._modulated(x_ptr, s_ptr, h_ptr, x_row, s_row, h_row, f, m, D, x_sf, s_sf, h_sf,
+                         eps, c, t, IS_RMS, HAS_ADD)
+    v = tl.where(m, v.to(t).to(tl.float32), 0.0)
     # the quantize kernel's one-pass path on that row
     r = _i8._rotate(tl.reshape(v, (BLOCK_D,)), inv, NST, BLOCK_D)
     row = tl.program_id(0).to(tl.int64)
@@ -232,15 +224,7 @@ def _rmsq_kernel(x_ptr, w_ptr, q_ptr, sc_ptr, n_rows, D, size1, size2, size3,
     rows, row_ok, i0, i1, i2, i3 = _rope._lead_index(n_rows, size1, size2, size3, 1)
     x_row = _rope._lead_offset(i0, i1, i2, i3, xs0, xs1, xs2, xs3)
     f = tl.arange(0, BLOCK_D)
-    f_ok = f < D
-    m = row_ok[:, None] & f_ok[None, :]
-    x = tl.load(x_ptr + x_row[:, None] + f[None, :], mask=m, other=0.0).to(tl.float32)
-    mean = tl.div_rn(tl.sum(x * x, axis=1), D + 0.0)
-    rstd = tl.div_rn(1.0, tl.sqrt_rn(mean + eps))
-    n = x * rstd[:, None]
-    if HAS_WEIGHT:
-        w = tl.load(w_ptr + f * w_sf, mask=f_ok, other=0.0).to(tl.float32)
-        n = n.to(w_ptr.dtype.element_ty).to(tl.float32) * w
+    n, m = _rmsk._normed(x_ptr, w_ptr, x_row, row_ok, f, D, w_sf, eps, HAS_WEIGHT)
     v = tl.where(m, _round_to(n, OUT_DT), 0.0)
     r = _i8._rotate(tl.reshape(v, (BLOCK_D,)), inv, NST, BLOCK_D)
     row = tl.program_id(0).to(tl.int64)
@@ -725,18 +709,8 @@ def modulation_quantize_triton(x, scale, shift, out=None, *, norm="layer", eps=1
     kernel: the packed layout (into ``out`` when given).  ``scale``/``shift`` broadcast to x.
     One CUDA device, or the CPU under ``TRITON_INTERPRET=1``.  ValueError for what the kernel
     does not take."""
-    for label, t in (("x", x), ("scale", scale), ("shift", shift)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"modulation_quantize_triton: {label} is not a tensor")
-    try:
-        scale, shift = scale.expand(x.shape), shift.expand(x.shape)
-    except RuntimeError as e:
-        raise ValueError(f"modulation_quantize_triton: scale/shift do not broadcast to x: {e}") \
-            from None
-    d = x.shape[-1] if x.dim() else 0
-    m = x.numel() // d if d else 0
-    if out is None:
-        out = torch.empty(packed_nbytes(m, d), dtype=torch.int8, device=x.device)
+    scale, shift = expand_scale_shift("modulation_quantize_triton", x, scale, shift)
+    out = packed_out(x, out, x.device)
     TM = TensorMeta.of
     why = _modq_why_not(TM(x), TM(scale), TM(shift), TM(out), norm, group, any_device=True)
     if why is not None:
@@ -822,10 +796,7 @@ def rms_norm_quantize_triton(x, weight, eps, group=1, out=None) -> torch.Tensor:
     (diffusers' weight order); the packed layout.  ValueError for what it does not take."""
     if not isinstance(x, torch.Tensor):
         raise ValueError("rms_norm_quantize_triton: x is not a tensor")
-    d = x.shape[-1] if x.dim() else 0
-    m = x.numel() // d if d else 0
-    if out is None:
-        out = torch.empty(packed_nbytes(m, d), dtype=torch.int8, device=x.device)
+    out = packed_out(x, out, x.device)
     nd = rms_norm_out_dtype(x.dtype, None if weight is None else weight.dtype)
     TM = TensorMeta.of
     why = _rmsq_why_not(TM(x), None if weight is None else TM(weight),
@@ -924,10 +895,7 @@ def act_quantize_triton(x, other=None, out=None, *, act=None, scale_op=None, sca
         except RuntimeError as e:
             raise ValueError(f"act_quantize_triton: other does not broadcast to x: {e}") \
                 from None
-    d = x.shape[-1] if x.dim() else 0
-    m = x.numel() // d if d else 0
-    if out is None:
-        out = torch.empty(packed_nbytes(m, d), dtype=torch.int8, device=x.device)
+    out = packed_out(x, out, x.device)
     TM = TensorMeta.of
     why = _preq_why_not(TM(x), None if other is None else TM(other), TM(out), act, scale_op,
                         group, any_device=True)

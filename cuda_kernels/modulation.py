@@ -63,8 +63,19 @@ def _modulation_kernel(x_ptr, s_ptr, h_ptr, out_ptr, n_rows, D, size1, size2, si
     h_row = _rope._lead_offset(i0, i1, i2, i3, hs0, hs1, hs2, hs3)
 
     f = tl.arange(0, BLOCK_D)
-    f_ok = f < D
-    m = row_ok[:, None] & f_ok[None, :]
+    m = row_ok[:, None] & (f < D)[None, :]
+    t = out_ptr.dtype.element_ty
+    v = _modulated(x_ptr, s_ptr, h_ptr, x_row, s_row, h_row, f, m, D, x_sf, s_sf, h_sf, eps, c,
+                   t, IS_RMS, HAS_ADD)
+    tl.store(out_ptr + rows[:, None] * D + f[None, :], v.to(t), mask=m)
+
+
+def _modulated(x_ptr, s_ptr, h_ptr, x_row, s_row, h_row, f, m, D, x_sf, s_sf, h_sf, eps, c,
+               t: tl.constexpr, IS_RMS: tl.constexpr, HAS_ADD: tl.constexpr):
+    """``@triton.jit`` helper (jitted by :func:`_kernel`; ``int8_fusions.py``'s
+    modulation_quantize kernel calls it too): the float32 ``y + shift`` of the rows at element
+    offsets ``x_row``/``s_row``/``h_row`` (features ``f``, mask ``m``), each step before it
+    rounded to T = ``t`` (module docstring); the caller rounds it to T."""
     x = tl.load(x_ptr + x_row[:, None] + f[None, :] * x_sf, mask=m, other=0.0).to(tl.float32)
     if IS_RMS:
         diff = x
@@ -74,17 +85,26 @@ def _modulation_kernel(x_ptr, s_ptr, h_ptr, out_ptr, n_rows, D, size1, size2, si
         diff = tl.where(m, x - mean[:, None], 0.0)
     var = tl.div_rn(tl.sum(diff * diff, axis=1), D + 0.0)
     rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
-    t = out_ptr.dtype.element_ty  # T; every .to(t).to(float32) is a no-op for float32
+    # every .to(t).to(float32) is a no-op for float32
     n = (diff * rstd[:, None]).to(t).to(tl.float32)
     s = tl.load(s_ptr + s_row[:, None] + f[None, :] * s_sf, mask=m, other=0.0).to(tl.float32)
     if HAS_ADD:
         s = (s + c).to(t).to(tl.float32)
     y = (n * s).to(t).to(tl.float32)
     h = tl.load(h_ptr + h_row[:, None] + f[None, :] * h_sf, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows[:, None] * D + f[None, :], (y + h).to(t), mask=m)
+    return y + h
 
 
-_kernel = lazy_kernel(_modulation_kernel)
+_jitted_helper = lazy_kernel(_modulated)
+_jitted_kernel = lazy_kernel(_modulation_kernel)
+
+
+def _kernel() -> Any:
+    """The jitted kernel (``rope.lazy_kernel``), :func:`_modulated` replaced first in this
+    module by its jitted form (the same object on every call: no lock needed)."""
+    global _modulated
+    _modulated = _jitted_helper()
+    return _jitted_kernel()
 
 
 # -- launch parameters (pure Python, metadata only) ------------------------------------------

@@ -65,6 +65,15 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, D, size1, size2, size3,
     x_row = _rope._lead_offset(i0, i1, i2, i3, xs0, xs1, xs2, xs3)
 
     f = tl.arange(0, BLOCK_D)
+    n, m = _normed(x_ptr, w_ptr, x_row, row_ok, f, D, w_sf, eps, HAS_WEIGHT)
+    tl.store(out_ptr + rows[:, None] * D + f[None, :], n.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _normed(x_ptr, w_ptr, x_row, row_ok, f, D, w_sf, eps, HAS_WEIGHT: tl.constexpr):
+    """``@triton.jit`` helper (jitted by :func:`_kernel`; ``int8_fusions.py``'s
+    rms_norm_quantize kernel calls it too): ``(n, mask)``, the float32 normalised rows at
+    element offsets ``x_row`` (features ``f``, unit stride) times the weight, before the
+    rounding to the output dtype that the caller does."""
     f_ok = f < D
     m = row_ok[:, None] & f_ok[None, :]
     x = tl.load(x_ptr + x_row[:, None] + f[None, :], mask=m, other=0.0).to(tl.float32)
@@ -76,10 +85,19 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, D, size1, size2, size3,
         w = tl.load(w_ptr + f * w_sf, mask=f_ok, other=0.0).to(tl.float32)
         # 16-bit weight: round n to the weight's dtype first (a no-op for a float32 weight)
         n = n.to(w_ptr.dtype.element_ty).to(tl.float32) * w
-    tl.store(out_ptr + rows[:, None] * D + f[None, :], n.to(out_ptr.dtype.element_ty), mask=m)
+    return n, m
 
 
-_kernel = lazy_kernel(_rms_norm_kernel)
+_jitted_helper = lazy_kernel(_normed)
+_jitted_kernel = lazy_kernel(_rms_norm_kernel)
+
+
+def _kernel() -> Any:
+    """The jitted kernel (``rope.lazy_kernel``), :func:`_normed` replaced first in this module
+    by its jitted form (the same object on every call: no lock needed)."""
+    global _normed
+    _normed = _jitted_helper()
+    return _jitted_kernel()
 
 
 # -- launch parameters (pure Python, metadata only) ------------------------------------------

@@ -87,8 +87,8 @@ from .rmsnorm import RmsNorm, rms_norm_reference
 __all__ = ["QUANTIZE", "LINEAR_I8", "PRE_ACTS", "Int8GatedResidualFusion",
            "Int8LinearActQuantizeFusion", "int8_linear_act_quantize_reference",
            "ModulationQuantizeFusion", "RmsNormQuantizeFusion", "ActQuantizeFusion",
-           "ScaleQuantizeFusion", "int8_gated_residual_reference",
-           "modulation_quantize_reference", "rms_norm_quantize_reference",
+           "ScaleQuantizeFusion", "int8_gated_residual_reference", "packed_out",
+           "expand_scale_shift", "modulation_quantize_reference", "rms_norm_quantize_reference",
            "act_quantize_reference", "prologue_reference", "ReferenceQuantizeImpl",
            "row_view_chain"]
 
@@ -190,6 +190,31 @@ def act_quantize_reference(x, group=1, *, act=None, other=None, scale_op=None, s
 
 # -- shared matching helpers (dataflow only) -------------------------------------------------------
 
+def packed_out(x: torch.Tensor, out: torch.Tensor | None = None,
+               device: torch.device | None = None) -> torch.Tensor:
+    """``out``, or where it is None a new packed int8 vector (``packed_nbytes``) for the rows
+    of x's last dim, on ``device`` (None: torch's default): the output of a quantize-feeding
+    fusion's direct call."""
+    if out is None:
+        d = x.shape[-1] if x.dim() else 0
+        m = x.numel() // d if d else 0
+        out = torch.empty(packed_nbytes(m, d), dtype=torch.int8, device=device)
+    return out
+
+
+def expand_scale_shift(who: str, x, scale, shift, not_tensor: str = "is not a tensor") -> tuple:
+    """``(scale, shift)`` expanded to x's shape for a direct call of ``who``; ValueError
+    (``f"{who}: {label} {not_tensor}"``) for an operand that is not a tensor, or where scale or
+    shift does not broadcast to x."""
+    for label, t in (("x", x), ("scale", scale), ("shift", shift)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{who}: {label} {not_tensor}")
+    try:
+        return scale.expand(x.shape), shift.expand(x.shape)
+    except RuntimeError as e:
+        raise ValueError(f"{who}: scale/shift do not broadcast to x: {e}") from None
+
+
 def _is_row_view(n, prev) -> bool:
     """A reshape-like view of ``prev`` that keeps its last dim (so the same rows, in the same
     row-major order) and its dtype."""
@@ -267,6 +292,28 @@ def _gather(graph, chain: list) -> None:
             continue
         if j < start + k or not fxbackend.graph_delay(graph, start, start + k, j - 1):
             return
+
+
+def _match_answer(find, why_not) -> Any:
+    """A rule's ``match`` answer: 0 where ``find()`` finds no chain, ``(0, reason)`` where
+    ``why_not(chain)`` declines it (or either raises: never raise from match), else the
+    chain's node count."""
+    try:
+        ch = find()
+        if ch is None:
+            return 0
+        why = why_not(ch)
+    except Exception as exc:  # never raise from match: decline with the reason
+        return 0, f"metadata not understood ({type(exc).__name__}: {exc})"
+    return (0, why) if why is not None else len(ch["nodes"])
+
+
+def _gather_to_quantize(graph, users, chain: list) -> None:
+    """Move ``chain`` down to just before the views and quantize step that read its last node
+    (nothing when no single quantize step does)."""
+    tail = _follow_to_quantize(users, chain[-1])
+    if tail is not None:
+        _gather(graph, chain + tail)
 
 
 def _why_dtypes(metas: dict) -> str | None:
@@ -531,14 +578,7 @@ class Int8LinearActQuantizeFusion:
                     srcs=linear_srcs(lin.srcs, lin.params))
 
     def match(self, graph, i: int):
-        try:
-            ch = self._chain(graph.nodes, i)
-            if ch is None:
-                return 0
-            why = self._why_not(ch)
-        except Exception as exc:  # never raise from match: decline with the reason
-            return 0, f"metadata not understood ({type(exc).__name__}: {exc})"
-        return (0, why) if why is not None else len(ch["nodes"])
+        return _match_answer(lambda: self._chain(graph.nodes, i), self._why_not)
 
     def _why_not(self, ch) -> str | None:
         lin, v = ch["linear"].meta, ch["value"].meta
@@ -571,9 +611,7 @@ class Int8LinearActQuantizeFusion:
                 c = _one_user(users, u)
                 if c is not None and _is_clone_of(c, u):
                     chain.append(c)
-                tail = _follow_to_quantize(users, chain[-1])
-                if tail is not None:
-                    _gather(graph, chain + tail)
+                _gather_to_quantize(graph, users, chain)
         except Exception:
             return
 
@@ -659,24 +697,21 @@ class ModulationQuantizeFusion(ModulationFusion):
         return why
 
     def match(self, graph, i: int):
-        try:
-            ch = self._match_at(graph.nodes, i)
-            if ch is None:
-                return 0
-            why = self._why_not(ch)
-            if why is None:
-                s, h = self._expanded(ch["x"].meta, ch["s_src"].meta,
-                                      tuple(ch["s_op"].meta.shape), ch["add_c"] is not None,
-                                      ch["shift"].meta)
-                if s is None or h is None:
-                    why = "scale/shift do not broadcast to x"
-                else:
-                    why = self.impl.why_not(ch["x"].meta, s, h, ch["quant"].meta, ch["kind"],
-                                            ch["group"])
-                    why = None if why is None else f"{self.impl.name}: {why}"
-        except Exception as exc:  # never raise from match: decline with the reason
-            return 0, f"metadata not understood ({type(exc).__name__}: {exc})"
-        return (0, why) if why is not None else len(ch["nodes"])
+        return _match_answer(lambda: self._match_at(graph.nodes, i), self._match_why_not)
+
+    def _match_why_not(self, ch) -> str | None:
+        """:meth:`_why_not`, then the implementation's reason on the expanded scale/shift."""
+        why = self._why_not(ch)
+        if why is None:
+            s, h = self._expanded(ch["x"].meta, ch["s_src"].meta, tuple(ch["s_op"].meta.shape),
+                                  ch["add_c"] is not None, ch["shift"].meta)
+            if s is None or h is None:
+                why = "scale/shift do not broadcast to x"
+            else:
+                why = self.impl.why_not(ch["x"].meta, s, h, ch["quant"].meta, ch["kind"],
+                                        ch["group"])
+                why = None if why is None else f"{self.impl.name}: {why}"
+        return why
 
     @staticmethod
     def _expanded(x, s_src, s_shape, has_add, shift):
@@ -696,10 +731,7 @@ class ModulationQuantizeFusion(ModulationFusion):
                 chain = self._chain_by_uses(norm, users)
                 if chain is None:
                     continue
-                tail = _follow_to_quantize(users, chain[-1])
-                if tail is None:
-                    continue
-                _gather(graph, chain + tail)
+                _gather_to_quantize(graph, users, chain)
         except Exception:  # an optimisation only
             return
 
@@ -769,31 +801,26 @@ class RmsNormQuantizeFusion:
                     nodes=nodes[i:i + len(views) + 2])
 
     def match(self, graph, i: int):
-        try:
-            ch = self._chain(graph.nodes, i)
-            if ch is None:
-                return 0
-            x, nm = ch["x"].meta, ch["norm"].meta
-            if not isinstance(x, TensorMeta) or x.is_symbolic:
-                return 0, "symbolic or non-tensor x"
-            why = _quantize_why_not(ch["quant"], nm)
-            if why is None:
-                why = self.impl.why_not(x, None if ch["w"] is None else ch["w"].meta, nm,
-                                        ch["quant"].meta, ch["group"],
-                                        bool(ch["norm"].params.get("weight_in_float", False)))
-                why = None if why is None else f"{self.impl.name}: {why}"
-        except Exception as exc:
-            return 0, f"metadata not understood ({type(exc).__name__}: {exc})"
-        return (0, why) if why is not None else len(ch["nodes"])
+        return _match_answer(lambda: self._chain(graph.nodes, i), self._why_not)
+
+    def _why_not(self, ch) -> str | None:
+        x, nm = ch["x"].meta, ch["norm"].meta
+        if not isinstance(x, TensorMeta) or x.is_symbolic:
+            return "symbolic or non-tensor x"
+        why = _quantize_why_not(ch["quant"], nm)
+        if why is None:
+            why = self.impl.why_not(x, None if ch["w"] is None else ch["w"].meta, nm,
+                                    ch["quant"].meta, ch["group"],
+                                    bool(ch["norm"].params.get("weight_in_float", False)))
+            why = None if why is None else f"{self.impl.name}: {why}"
+        return why
 
     def optimize(self, graph) -> None:
         """Move each norm down to just before its views and quantize step.  Never raises."""
         try:
             users = graph.users()
             for norm in [n for n in graph.nodes if n.op == RmsNorm.name]:
-                tail = _follow_to_quantize(users, norm)
-                if tail is not None:
-                    _gather(graph, [norm] + tail)
+                _gather_to_quantize(graph, users, [norm])
         except Exception:
             return
 
@@ -866,14 +893,7 @@ class _PrologueQuantize:
                     nodes=nodes[i:k + len(views) + 1])
 
     def match(self, graph, i: int):
-        try:
-            ch = self._chain(graph.nodes, i)
-            if ch is None:
-                return 0
-            why = self._why_not(ch)
-        except Exception as exc:
-            return 0, f"metadata not understood ({type(exc).__name__}: {exc})"
-        return (0, why) if why is not None else len(ch["nodes"])
+        return _match_answer(lambda: self._chain(graph.nodes, i), self._why_not)
 
     def _why_not(self, ch) -> str | None:
         x, v = ch["x"].meta, ch["value"].meta
@@ -919,9 +939,7 @@ class _PrologueQuantize:
                     u = _one_user(users, u)
                 if u is not None and u.op == "aten.clone.default":
                     chain.append(u)
-                tail = _follow_to_quantize(users, chain[-1])
-                if tail is not None:
-                    _gather(graph, chain + tail)
+                _gather_to_quantize(graph, users, chain)
         except Exception:
             return
 
