@@ -956,6 +956,12 @@ class Plan:
             lines.append("cuda graph: " + (
                 f"captured {self._graph_runner.captures} time(s)" if self._graph_runner
                 else f"off: {self.cuda_graph_off}"))
+        for n, k in self.kernels.items():  # extension kernels that did not take a node
+            if n.view_of is not None or n.inplace_of is not None or \
+                    not registry.kernels_for(self._kernel_device(n), n.op):
+                continue
+            for name, why in registry.declined_kernels(self._kernel_device(n), n, k):
+                lines.append(f"kernel {name} declined %{n.id}: {why}")
         for rule, ids, why in self.rewrites_declined:
             lines.append(f"rewrite {rule} declined on " + ", ".join(f"%{i}" for i in ids) +
                          f": {why}")

@@ -24,6 +24,7 @@ from typing import Any
 from .ir import Node
 
 __all__ = ["register_kernel", "unregister_kernel", "select_kernel", "kernels_for",
+           "declined_kernels",
            "supports_op", "supports_native_op", "NativeKernel", "NATIVE", "generation"]
 
 _lock = threading.RLock()
@@ -125,6 +126,28 @@ def select_kernel(device: str, node: Node) -> Any:
     if candidates:
         return candidates[0]
     raise NotImplementedError(f"no kernel on {device!r} can run {node.op} (node %{node.id})")
+
+
+def declined_kernels(device: str, node: Node, chosen: Any) -> list[tuple[str, str]]:
+    """``(kernel name, reason)`` for each extension kernel registered for ``node``'s op on
+    ``device`` that ranks above ``chosen`` but did not take the node: its ``why_not(node)``
+    (an optional capability returning a reason or None) or "supports() is False" or "not
+    preferred".  For reports; never raises."""
+    out = []
+    for k in kernels_for(device, node.op):
+        if k is chosen:
+            break
+        try:
+            with _Guard(device, node.op):
+                if k.supports(node):
+                    why = "not preferred for this node"
+                else:
+                    why_not = getattr(k, "why_not", None)
+                    why = (why_not(node) if callable(why_not) else None) or "supports() is False"
+        except Exception as exc:  # a report never fails a plan
+            why = f"its callbacks raised {type(exc).__name__}: {exc}"
+        out.append((getattr(k, "name", repr(k)), str(why)))
+    return out
 
 
 class NativeKernel:

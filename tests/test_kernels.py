@@ -596,3 +596,33 @@ def test_a_plan_without_requests_has_no_workspace(reg):
     reg.op(Scale)
     cg = _run(_graph())
     assert cg._static.workspace_bytes == 0 and fxbackend.stats()["workspace_bytes"] == 0
+
+
+def test_report_names_extension_kernels_that_declined_a_node(reg):
+    class Picky:
+        name = "picky_sin"
+        op = "aten.sin.default"
+
+        def supports(self, node):
+            return False
+
+        def why_not(self, node):
+            return f"rank {len(node.meta.shape)} is not 3"
+
+        def execute(self, ctx, node, state, inputs, out, workspace):
+            raise AssertionError("never selected")
+
+    class Shy(Picky):
+        name = "shy_sin"
+
+        def supports(self, node):
+            return True
+
+        def preferred(self, node):
+            return False
+
+    reg.kernel("cpu", Picky())
+    reg.kernel("cpu", Shy())
+    text = fxbackend.explain(lambda x: x.sin() + 1, torch.randn(4, 5))
+    assert "kernel picky_sin declined %" in text and ": rank 2 is not 3" in text
+    assert "kernel shy_sin declined %" in text and ": not preferred for this node" in text
