@@ -888,6 +888,10 @@ class Plan:
         if any(n.annotations.get("placed") for n in self.graph.nodes):
             return [], "off: steps placed on another device"
         dev = self._plan_device()
+        if want is None and dev.type != "cuda":
+            # the default gate (streams.worth_it) never overlaps off CUDA: every CPU plan would
+            # pay the region scan for nothing
+            return [], "no region worth overlapping (options streams=True forces them)"
         metas = lambda n: self.metas[n]  # noqa: E731
         regions = find_regions(self.graph, self.kernels, metas)
         if want is None:
