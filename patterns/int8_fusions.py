@@ -750,17 +750,8 @@ class ModulationQuantizeFusion(ModulationFusion):
                                   p["shift"].meta)
             comp(p["x"].meta, s, h, node.meta, p["kind"], p["c"] is not None, p["group"])
 
-    def prepare(self, node):
-        return self._parts(node), 0
-
-    def execute(self, ctx, node, state, inputs, out, workspace) -> None:
-        p = state
-        value = dict(zip(node.srcs, inputs))
-        x = value[p["x"]]
-        s = value[p["s"]].view(p["s_shape"]).expand(p["shape"])
-        h = value[p["shift"]].expand(p["shape"])
-        self.impl.run(x, s, h, out, norm=p["kind"], eps=p["eps"], add_c=p["c"],
-                      group=p["group"])
+    def _run_extra(self, p: dict) -> dict:  # prepare/execute: ModulationFusion's
+        return {"group": p["group"]}
 
 
 # -- 3. rms_norm_quantize -------------------------------------------------------------------------

@@ -314,13 +314,19 @@ class ModulationFusion:
     def prepare(self, node):
         return self._parts(node), 0
 
+    def _run_extra(self, p: dict) -> dict:
+        """Keyword arguments of ``impl.run`` beyond the chain's own (rules extending this one
+        add theirs here)."""
+        return {}
+
     def execute(self, ctx, node, state, inputs, out, workspace) -> None:
         p = state
         value = dict(zip(node.srcs, inputs))
         x = value[p["x"]]
         s = value[p["s"]].view(p["s_shape"]).expand(p["shape"])
         h = value[p["shift"]].expand(p["shape"])
-        self.impl.run(x, s, h, out, norm=p["kind"], eps=p["eps"], add_c=p["c"])
+        self.impl.run(x, s, h, out, norm=p["kind"], eps=p["eps"], add_c=p["c"],
+                      **self._run_extra(p))
 
 
 def _reshaped(m: TensorMeta, shape) -> TensorMeta:
