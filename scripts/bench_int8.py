@@ -49,17 +49,15 @@ Raw numbers go to ``--json`` (default ``bench_results/bench_int8.json``).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
-import platform
 import sys
 import time
 
 import torch
 
-from bench_rope import _time_impls  # scripts/ is sys.path[0] when this script runs
+from bench_rope import _time_impls, report_header  # scripts/ is sys.path[0] when this script runs
 
 #: name -> (K, N, model): a linear layer ``[M, K] @ [N, K].T`` of a real config (M: the tokens
 #: of a 1024x1024 image, 4096, capped by ``--rows``)
@@ -372,10 +370,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    report = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "machine": platform.platform(), "cpu_count": os.cpu_count(),
-              "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "argv": sys.argv[1:], "sections": {}}
+    report = report_header(sections={})
     out = pathlib.Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     ARGS_OUTLIERS[:] = [args.outlier_frac, args.outlier_alpha]

@@ -50,17 +50,15 @@ Raw numbers go to ``--json`` (default ``bench_results/bench_int8_fusions.json``)
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
-import platform
 import sys
 
 import torch
 import torch.nn.functional as F
 
-from bench_rope import _time_impls  # scripts/ is sys.path[0] when this script runs
+from bench_rope import _time_impls, report_header  # scripts/ is sys.path[0] when this script runs
 
 TOKENS = 4096
 #: name -> (kind, K (features of the quantized rows, or of the linear), N (gated residual's
@@ -323,10 +321,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     import fxbackend  # noqa: F401  (registers the kernels)
-    report = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "machine": platform.platform(), "cpu_count": os.cpu_count(),
-              "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "argv": sys.argv[1:]}
+    report = report_header()
     out = pathlib.Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     report["results"] = bench(args)

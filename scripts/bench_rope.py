@@ -203,6 +203,15 @@ def _start(name, model, x, cos, mode, n_rot, dtype, eager, eager_args, args):
     return res, impls
 
 
+def report_header(**extra) -> dict:
+    """The run's context every benchmark's JSON starts with (date, machine, CPUs, torch and its
+    threads, argv), plus ``extra``."""
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "machine": platform.platform(), "cpu_count": os.cpu_count(),
+            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "argv": sys.argv[1:], **extra}
+
+
 def _time_impls(res, impls, args, tensors):
     """Warm up, then time every implementation in interleaved rounds; fill ``res`` with the
     times, medians, GB/s over ``tensors``' bytes (each counted once) and the speed-ups."""

@@ -38,17 +38,15 @@ Raw numbers go to ``--json`` (default ``bench_results/bench_scale_cast.json``).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
-import platform
 import sys
 import time
 
 import torch
 
-from bench_rope import _time_impls  # scripts/ is sys.path[0] when this script runs
+from bench_rope import _time_impls, report_header  # scripts/ is sys.path[0] when this script runs
 
 #: name -> (x shape, c, model): float32 activations scaled then cast to 16 bits
 CONFIGS = {
@@ -143,10 +141,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    report = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "machine": platform.platform(), "cpu_count": os.cpu_count(),
-              "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "argv": sys.argv[1:], "results": []}
+    report = report_header(results=[])
     out = pathlib.Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.configs:
