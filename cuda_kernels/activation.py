@@ -84,19 +84,15 @@ def _glu_kernel(y_ptr, out_ptr, n, gate_off, other_off, ACT: tl.constexpr,
     tl.store(out_ptr + row * n + cols, (a * h).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-#: the jitted ``_act_body``, set by :func:`_kernels` (kernels resolve it when they compile)
-_act: Any = None
-_inplace = lazy_kernel(_inplace_kernel)
-_glu = lazy_kernel(_glu_kernel)
+#: the activation helper the kernels call (jitted in this module by ``rope.lazy_kernel``)
+_act = _act_body
+_inplace = lazy_kernel(_inplace_kernel, helpers=("_act",))
+_glu = lazy_kernel(_glu_kernel, helpers=("_act",))
 
 
 def _kernels():
-    global _act
-    k1, k2 = _inplace(), _glu()  # Triton imported, tl bound
-    if _act is None:
-        import triton
-        _act = triton.jit(_act_body)  # idempotent: a race jits it twice, harmlessly
-    return k1, k2
+    """The jitted (in-place, gated) kernels."""
+    return _inplace(), _glu()
 
 
 def activate_triton(buf: torch.Tensor, act: str) -> torch.Tensor:

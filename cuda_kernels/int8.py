@@ -40,7 +40,6 @@ first guesses.
 """
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
@@ -160,33 +159,12 @@ def _epilogue_kernel(acc_ptr, out_ptr, xs_ptr, ws_ptr, b_ptr, M, N, HAS_BIAS: tl
     tl.store(out_ptr + offs, v, mask=ok)
 
 
+#: the ``@triton.jit`` helpers of this module's kernels (jitted by ``rope.lazy_kernel``)
 _HELPERS = ("_rot_stage", "_rotate", "_codes")
-_helpers_lock = threading.Lock()
-_helpers_jitted: list = []
 
 
-def _lazy(fn):
-    """``rope.lazy_kernel(fn)``, plus jitting this module's ``@triton.jit`` helpers
-    (:data:`_HELPERS`) in its globals, once, before a first launch resolves them."""
-    get_kernel = lazy_kernel(fn)
-
-    def get() -> Any:
-        kernel = get_kernel()  # binds ``tl`` here; takes rope's lock, not ours
-        if not _helpers_jitted:
-            with _helpers_lock:
-                if not _helpers_jitted:
-                    import triton
-                    g = globals()
-                    for name in _HELPERS:
-                        g[name] = triton.jit(g[name])
-                    _helpers_jitted.append(True)
-        return kernel
-
-    return get
-
-
-_quantize = _lazy(_quantize_kernel)
-_epilogue = _lazy(_epilogue_kernel)
+_quantize = lazy_kernel(_quantize_kernel, helpers=_HELPERS)
+_epilogue = lazy_kernel(_epilogue_kernel, helpers=_HELPERS)
 
 
 # -- launchers ----------------------------------------------------------------------------------

@@ -46,7 +46,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import threading
 from typing import Any
 
 import torch
@@ -126,34 +125,17 @@ def _row_offset(row, size1, size2, size3, s0, s1, s2, s3):
     return (r // size1) * s0 + i1 * s1 + i2 * s2 + i3 * s3
 
 
+#: the ``@triton.jit`` helpers of this module's kernels (jitted by ``rope.lazy_kernel``; more
+#: are added below, where they are defined)
 _HELPERS = ("_round_to", "_prologue", "_row_offset")
-_helpers_lock = threading.Lock()
-_helpers_jitted: list = []
+#: the getters that jit the other modules' helpers these kernels call (int8's rotation and
+#: codes, activation's ``_act``, modulation's ``_modulated``, rmsnorm's ``_normed``)
+_REQUIRES = (_i8._quantize, _actk._inplace, _modk._kernel, _rmsk._kernel)
 
 
 def _lazy(fn):
-    """``rope.lazy_kernel(fn)``, plus (once, before the first launch resolves them) the helpers
-    this file's kernels call: int8's (``_i8._quantize()`` jits them), activation's ``_act``
-    (``_actk._kernels()``) and this file's :data:`_HELPERS`."""
-    get_kernel = lazy_kernel(fn)
-
-    def get() -> Any:
-        kernel = get_kernel()
-        if not _helpers_jitted:
-            _i8._quantize()
-            _actk._kernels()
-            _modk._kernel()
-            _rmsk._kernel()
-            with _helpers_lock:
-                if not _helpers_jitted:
-                    import triton
-                    g = globals()
-                    for name in _HELPERS:
-                        g[name] = triton.jit(g[name])
-                    _helpers_jitted.append(True)
-        return kernel
-
-    return get
+    """``rope.lazy_kernel`` of one of this module's kernels, with its helpers."""
+    return lazy_kernel(fn, helpers=_HELPERS, requires=_REQUIRES)
 
 
 # -- kernels -------------------------------------------------------------------------------------

@@ -95,16 +95,8 @@ def _modulated(x_ptr, s_ptr, h_ptr, x_row, s_row, h_row, f, m, D, x_sf, s_sf, h_
     return y + h
 
 
-_jitted_helper = lazy_kernel(_modulated)
-_jitted_kernel = lazy_kernel(_modulation_kernel)
-
-
-def _kernel() -> Any:
-    """The jitted kernel (``rope.lazy_kernel``), :func:`_modulated` replaced first in this
-    module by its jitted form (the same object on every call: no lock needed)."""
-    global _modulated
-    _modulated = _jitted_helper()
-    return _jitted_kernel()
+#: the jitted kernel (``rope.lazy_kernel``; :func:`_modulated` jitted in this module first)
+_kernel = lazy_kernel(_modulation_kernel, helpers=("_modulated",))
 
 
 # -- launch parameters (pure Python, metadata only) ------------------------------------------

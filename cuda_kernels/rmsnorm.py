@@ -88,16 +88,8 @@ def _normed(x_ptr, w_ptr, x_row, row_ok, f, D, w_sf, eps, HAS_WEIGHT: tl.constex
     return n, m
 
 
-_jitted_helper = lazy_kernel(_normed)
-_jitted_kernel = lazy_kernel(_rms_norm_kernel)
-
-
-def _kernel() -> Any:
-    """The jitted kernel (``rope.lazy_kernel``), :func:`_normed` replaced first in this module
-    by its jitted form (the same object on every call: no lock needed)."""
-    global _normed
-    _normed = _jitted_helper()
-    return _jitted_kernel()
+#: the jitted kernel (``rope.lazy_kernel``; :func:`_normed` jitted in this module first)
+_kernel = lazy_kernel(_rms_norm_kernel, helpers=("_normed",))
 
 
 # -- launch parameters (pure Python, metadata only) ------------------------------------------

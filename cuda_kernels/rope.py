@@ -70,15 +70,24 @@ _jit_lock = threading.Lock()
 _HELPERS = ("_lead_index", "_lead_offset", "_rope_partner")
 
 
-def lazy_kernel(fn: Callable) -> Callable[[], Any]:
+#: (module name, helper name) of every ``@triton.jit`` helper :func:`lazy_kernel` jitted
+_helpers_jitted: set = set()
+
+
+def lazy_kernel(fn: Callable, helpers: tuple = (), requires: tuple = ()) -> Callable[[], Any]:
     """A getter for ``triton.jit(fn)`` that on its first call imports Triton, binds ``tl`` in
     ``fn``'s module (and, once, in this one, jitting :data:`_HELPERS`) and jits ``fn`` (module
     import must not import Triton; honours TRITON_INTERPRET).  Used by every kernel of this
-    package.  Do not call it while holding ``_jit_lock``."""
+    package.  ``helpers``: names of plain functions in ``fn``'s module that its kernels call as
+    ``@triton.jit`` helpers, replaced there by their jitted form once per module;
+    ``requires``: getters of other modules whose helpers ``fn`` calls, run first.  Do not call
+    it while holding ``_jit_lock``."""
     jitted: list = []
 
     def get() -> Any:
         if not jitted:
+            for other in requires:
+                other()
             with _jit_lock:
                 if not jitted:
                     import triton
@@ -88,7 +97,12 @@ def lazy_kernel(fn: Callable) -> Callable[[], Any]:
                         for name in _HELPERS:
                             g[name] = triton.jit(g[name])
                         g["tl"] = language
-                    fn.__globals__["tl"] = language
+                    mod = fn.__globals__
+                    mod["tl"] = language
+                    for name in helpers:
+                        if (mod["__name__"], name) not in _helpers_jitted:
+                            mod[name] = triton.jit(mod[name])
+                            _helpers_jitted.add((mod["__name__"], name))
                     jitted.append(triton.jit(fn))
         return jitted[0]
 
