@@ -26,7 +26,8 @@ import torch
 from . import registry, stats
 from .ir import Graph, Node, ScalarMeta, TensorMeta, contiguous_strides, storage_root
 from .lower import SYM_OPS
-from .memory import MemoryPlan, plan_memory
+from .concat import ConcatPlan, elide_identity_cats, plan_concat
+from .memory import MemoryPlan, buffers_of, plan_memory
 from .fusion import FusionReport, apply_fusions
 from .rewrite import RewriteContext, apply_rewrites
 from .native import call_args, out_overload
@@ -377,12 +378,16 @@ class Plan:
         #: (rule name, [node ids], reason) of every instance a rewrite rule left alone
         self.rewrites_declined = rewrite_ctx.declined
         if self.rewrites:
-            from .pipeline import eliminate_dead_nodes
-            eliminate_dead_nodes(self.graph, options)
             for n in self.graph.nodes:
                 self.metas.setdefault(n, n.meta)
             for rule_name, count in self.rewrites.items():
                 stats.bump("rewrite:" + rule_name, count)
+        #: cats of slices that only re-assembled one tensor (their readers read it instead)
+        self.identity_cats = (elide_identity_cats(self.graph, self.metas.__getitem__)
+                              if options.concat_in_place else 0)
+        if self.rewrites or self.identity_cats:
+            from .pipeline import eliminate_dead_nodes
+            eliminate_dead_nodes(self.graph, options)
         if options.eval_callback is not None:
             self.fusion_report.disabled = "a per-node evaluation callback is set"
         elif not options.fusion:
@@ -408,9 +413,18 @@ class Plan:
         self._states: list = []
         self._prepared = self._prepare_steps()
         self.regions, self.regions_off = self._find_regions()
+        #: native steps whose op has no ``.out`` overload: their own result is the value
+        self._bound = self._bound_results()
+        unread = self._unread_outputs() | {k for n in self._bound for k in self._keys_of(n)}
+        #: parts of concatenations that their producers write in place (fxbackend.concat)
+        self.concat = (plan_concat(self.graph, self.metas.__getitem__,
+                                   lambda n: self.kernels.get(n) is registry.NATIVE,
+                                   unread.__contains__)
+                       if options.concat_in_place else ConcatPlan())
         self.memory: MemoryPlan = plan_memory(self.graph, metas=lambda n: self.metas[n],
-                                              skip_key=self._unread_outputs().__contains__,
-                                              regions=region_lifetimes(self.regions))
+                                              skip_key=unread.__contains__,
+                                              regions=region_lifetimes(self.regions),
+                                              aliases=self.concat.aliases)
         self.arenas = {dev: torch.empty(nbytes, dtype=torch.uint8, device=dev)
                        for dev, nbytes in self.memory.arena_bytes.items()}
         self._build()
@@ -433,6 +447,8 @@ class Plan:
         stats.bump("intermediate_bytes", self.memory.sum_intermediates)
         stats.bump("workspace_bytes", self.workspace_bytes)
         stats.bump("concurrent_regions", len(self.regions))
+        stats.bump("concat_parts_in_place", self.concat.parts_in_place)
+        stats.bump("identity_cats", self.identity_cats)
         if options.dump:
             print(f"[fxbackend] {name}: {self.memory.summary()}, "
                   f"workspace {self.workspace_bytes / 2**20:.2f} MB", file=sys.stderr)
@@ -537,6 +553,58 @@ class Plan:
                             if i not in read.get(n, ()))
         return keys
 
+    def _bound_results(self) -> set:
+        """Native compute steps whose op has no ``.out`` overload (attention, ``arange``, ...).
+        Their result is used as it comes back, allocated by the op per call: copying it into
+        the arena would add a pass and save no memory (the op allocates it either way).  The
+        step function drops it after its last read."""
+        bound = set()
+        for n, k in self.kernels.items():
+            if k is registry.NATIVE and n.view_of is None and n.inplace_of is None \
+                    and isinstance(n.target, torch._ops.OpOverload) and not n.is_scalar \
+                    and n.meta is not None and n.op not in ("aten._to_copy.default", _COPY_OP) \
+                    and not out_overload(n.target) and self._meta_result_matches(n):
+                bound.add(n)
+        return bound
+
+    def _meta_result_matches(self, n: Node) -> bool:
+        """Run on meta tensors laid out as its inputs are *in this plan*, ``n``'s op returns
+        the layout the plan's metadata says.  (A rewrite upstream may have changed an input's
+        strides, and the result's strides can follow them, as attention's do; then the result
+        is copied into planned storage of the recorded layout instead.)"""
+        def val(v: Any) -> Any:
+            if isinstance(v, Node):
+                if v in self.scalars:
+                    return self.scalars[v]
+                m = self.metas.get(v)
+                if not isinstance(m, TensorMeta):
+                    raise LookupError(f"%{v.id} has no concrete metadata")
+                return _meta_tensor(m)
+            return _META if isinstance(v, torch.device) else v
+
+        try:
+            a, kw = call_args(n, val, val)
+            out = n.target(*a, **kw)
+        except Exception:  # no meta kernel (or a data-dependent input): keep the copy
+            return False
+        want = self.metas[n]
+        pairs = zip(out, want) if isinstance(want, tuple) and isinstance(out, (tuple, list)) \
+            else [(out, want)]
+        for t, m in pairs:
+            if not isinstance(m, TensorMeta):
+                continue
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(m.shape) or any(
+                    size > 1 and st != want_st
+                    for size, st, want_st in zip(m.shape, t.stride(), m.stride)):
+                return False
+        return True
+
+    def _keys_of(self, n: Node) -> list:
+        m = self.metas[n]
+        if isinstance(m, tuple):
+            return [(n.id, i) for i, x in enumerate(m) if isinstance(x, TensorMeta)]
+        return [(n.id, None)] if isinstance(m, TensorMeta) else []
+
     def _buffer(self, key: tuple) -> torch.Tensor:
         owner = self._by_id[key[0]]
         m = self.metas[owner]
@@ -606,6 +674,14 @@ class Plan:
                 return const(t), t
             return None, None  # an output nobody reads and nobody returns
 
+        bound_keys = {k for n in self._bound for k in self._keys_of(n)}
+        holders: dict[tuple, list[str]] = {}  # bound storage -> the names that hold it
+
+        def hold(n: Node, name: str) -> None:
+            owner, index = storage_root(n)
+            if (owner.id, index) in bound_keys:
+                holders.setdefault((owner.id, index), []).append(name)
+
         def bind_result(n: Node, kernel: Any) -> None:
             """Per call: ``v = op(...)``, the op's own result is the node's value."""
             a, kw = call_args(n, src_of, value_of)
@@ -613,6 +689,13 @@ class Plan:
             lines.append(f"v{n.id} = {fn.src}({self._args_src(a, kw)})")
             expr[n] = _Code(f"v{n.id}")
             self.step_counts[kernel.name] += 1
+            if n.view_of is not None:
+                hold(n, f"v{n.id}")
+
+        read_index: dict[Node, set] = {}
+        for n in g.nodes:
+            if n.op == "getitem":
+                read_index.setdefault(n.srcs[0], set()).add(n.params["index"])
 
         def emit(n: Node) -> None:
                 if n.is_input:
@@ -636,6 +719,7 @@ class Plan:
                     else:
                         lines.append(f"v{n.id} = {expr[parent].src}[{idx}]")
                         expr[n] = _Code(f"v{n.id}")
+                        hold(n, f"v{n.id}")
                     return
                 kernel = self.kernels[n]
                 if n.view_of is not None:
@@ -668,6 +752,27 @@ class Plan:
                 if n.is_scalar or n.meta is None:
                     bind_result(n, kernel)
                     return
+                if n in self._bound:
+                    a, kw = call_args(n, src_of, value_of)
+                    call = f"{const(n.target._op).src}({self._args_src(a, kw)})"
+                    self.step_counts[kernel.name] += 1
+                    if isinstance(self.metas[n], tuple):
+                        lines.append(f"_r = {call}")
+                        codes = []
+                        for i in range(len(self.metas[n])):
+                            if i in read_index.get(n, ()):
+                                lines.append(f"v{n.id}_{i} = _r[{i}]")
+                                codes.append(_Code(f"v{n.id}_{i}"))
+                                holders.setdefault((n.id, i), []).append(f"v{n.id}_{i}")
+                            else:
+                                codes.append(None)
+                        lines.append("del _r")  # unread outputs go now
+                        expr[n] = tuple(codes)
+                    else:
+                        lines.append(f"v{n.id} = {call}")
+                        expr[n] = _Code(f"v{n.id}")
+                        holders.setdefault((n.id, None), []).append(f"v{n.id}")
+                    return
                 # a compute node that owns fresh storage
                 multi = isinstance(self.metas[n], tuple)
                 if (not multi and kernel is registry.NATIVE and (n.id, None) in per_call
@@ -675,6 +780,18 @@ class Plan:
                         and not (isinstance(n.target, torch._ops.OpOverload) and out_overload(n.target))):
                     # returned to the caller and computed fresh anyway: hand that result over
                     bind_result(n, kernel)
+                    return
+                if n in self.concat.placed:
+                    # some parts already live in this cat's buffer: copy only the others
+                    code, t = storage(n, None)
+                    expr[n], plan_time[n] = code, t
+                    left = self.concat.copies_left(n, self.metas.__getitem__)
+                    for j in left:
+                        d, start, length = self.concat.dest[(n, j)]
+                        lines.append(f"{const(t.narrow(d, start, length)).src}"
+                                     f".copy_({_render(src_of(n.srcs[j]))})")
+                    if left:
+                        self.step_counts[kernel.name] += 1
                     return
                 if multi:
                     outs = [storage(n, i) if isinstance(m, TensorMeta) else (None, None)
@@ -741,14 +858,29 @@ class Plan:
             del lines[mark:]
         if callback is not None:
             ns["_cb"] = callback
+        # drop each bound result after its last read (after the region, inside one)
+        dels: dict[int, list[str]] = {}
+        if holders:
+            life = {b.key: b.end for b in buffers_of(g, lambda n: self.metas[n])[0]}
+            for key, names in holders.items():
+                if key in life:
+                    dels.setdefault(life[key], []).extend(names)
+
+        def del_lines(first: int, last: int) -> list[str]:
+            names = [v for t in range(first, last) for v in dels.get(t, ())]
+            return [f"del {', '.join(names)}"] if names else []
+
         pos = 0
         for k, region in enumerate(self.regions):
-            for n in g.nodes[pos:region.start]:
-                lines.extend(node_lines[n])
+            for t in range(pos, region.start):
+                lines.extend(node_lines[g.nodes[t]])
+                lines.extend(del_lines(t, t + 1))
             lines.extend(self._region_lines(k, region, node_lines, ns))
+            lines.extend(del_lines(region.start, region.end))
             pos = region.end
-        for n in g.nodes[pos:]:
-            lines.extend(node_lines[n])
+        for t in range(pos, len(g.nodes)):
+            lines.extend(node_lines[g.nodes[t]])
+            lines.extend(del_lines(t, t + 1))
 
         outs = []
         self._lines = lines
@@ -956,6 +1088,15 @@ class Plan:
                              ", ".join(f"%{n.id}" for n in r.aux if n in self.kernels))
         elif self.options.streams:  # asked for and none: say why
             lines.append(f"concurrent regions: {self.regions_off}")
+        for cat, parts in self.concat.placed.items():
+            left = self.concat.copies_left(cat, self.metas.__getitem__)
+            lines.append(f"concatenation %{cat.id}: " + ", ".join(
+                f"%{cat.srcs[j].id}" for j in sorted(parts)) + " written in place" +
+                (f"; copies %{', %'.join(str(cat.srcs[j].id) for j in left)}" if left
+                 else "; no copy"))
+        if self.identity_cats:
+            lines.append(f"concatenations of slices elided (readers read the sliced tensor): "
+                         f"{self.identity_cats}")
         if self.options.cuda_graphs:
             lines.append("cuda graph: " + (
                 f"captured {self._graph_runner.captures} time(s)" if self._graph_runner

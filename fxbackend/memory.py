@@ -6,6 +6,11 @@ values handed back to the caller (allocated per call: the caller keeps them) and
 it or any view of it; a buffer freed at step t can be reused from step t+1 on, so a step's
 output never overlaps its inputs.  Offsets are chosen online, in step order, best fit: the
 smallest free block that fits, else the end of the arena.
+
+An *alias* places one buffer inside another (``aliases={key: (target key, byte offset)}``, as
+:mod:`fxbackend.concat` asks for a part of a concatenation): the aliased key gets no block of its
+own, its steps count towards the target's lifetime, and its offset is the target's plus the byte
+offset.  Chains (a part of a part) resolve to the outermost buffer.
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ class MemoryPlan:
     arena_bytes: dict  # device -> bytes
     buffers: list
     per_call: list  # keys of owners allocated per call (graph outputs)
+    aliases: dict = dataclasses.field(default_factory=dict)  # key -> (target key, byte offset)
 
     @property
     def total_arena(self) -> int:
@@ -120,7 +126,8 @@ def owner_meta(metas: Callable[[Node], Any], owner: Node, index: int | None) -> 
 def buffers_of(graph: Graph, metas: Callable[[Node], Any] | None = None,
                skip: Callable[[Node], bool] | None = None,
                skip_key: Callable[[tuple], bool] | None = None,
-               regions: Iterable[tuple[int, int]] = ()) -> tuple[list[Buffer], list]:
+               regions: Iterable[tuple[int, int]] = (),
+               aliases: dict | None = None) -> tuple[list[Buffer], list]:
     """Buffers (lifetimes in node order) of every tensor the graph computes.
 
     Returns ``(arena_buffers, per_call_keys)``: owners whose storage is (or is viewed by) a graph
@@ -129,9 +136,11 @@ def buffers_of(graph: Graph, metas: Callable[[Node], Any] | None = None,
     ``skip_key((node_id, index))`` single outputs that need none.  ``regions``: step ranges
     ``(first, last)`` whose steps may run concurrently (``fxbackend.streams``): a buffer whose
     lifetime meets such a range is stretched over all of it, so that no two buffers the range
-    touches share storage while it runs.
+    touches share storage while it runs.  ``aliases``: see the module docstring; an aliased key
+    is not a buffer, its uses extend its target's lifetime.
     """
     metas = metas or (lambda n: n.meta)
+    resolve = _resolver(aliases or {})
     start: dict = {}
     end: dict = {}
     order: list = []
@@ -142,10 +151,10 @@ def buffers_of(graph: Graph, metas: Callable[[Node], Any] | None = None,
             return []
         m = metas(owner)
         if index is None and isinstance(m, tuple):  # the whole tuple of a multi-output node
-            return [(owner.id, i) for i, x in enumerate(m) if isinstance(x, TensorMeta)]
+            return [resolve((owner.id, i))[0] for i, x in enumerate(m) if isinstance(x, TensorMeta)]
         if owner_meta(metas, owner, index) is None:
             return []
-        return [(owner.id, index)]
+        return [resolve((owner.id, index))[0]]
 
     for t, node in enumerate(graph.nodes):
         if skip is not None and skip(node):
@@ -184,18 +193,43 @@ def buffers_of(graph: Graph, metas: Callable[[Node], Any] | None = None,
     return bufs, [k for k in order if k in per_call]
 
 
+def _resolver(aliases: dict) -> Callable[[Hashable], tuple[Hashable, int]]:
+    """``key -> (outermost target key, byte offset in it)`` (the key itself when not aliased)."""
+    def resolve(key):
+        off = 0
+        seen = set()
+        while key in aliases:
+            if key in seen:
+                raise ValueError(f"alias cycle through buffer {key!r}")
+            seen.add(key)
+            key, o = aliases[key]
+            off += o
+        return key, off
+    return resolve
+
+
 def plan_memory(graph: Graph, metas: Callable[[Node], Any] | None = None,
                 skip: Callable[[Node], bool] | None = None,
                 skip_key: Callable[[tuple], bool] | None = None,
                 alignment: int = ALIGNMENT,
-                regions: Iterable[tuple[int, int]] = ()) -> MemoryPlan:
-    """Plan every intermediate of ``graph`` into one arena per device (``regions``: see
-    :func:`buffers_of`)."""
-    bufs, per_call = buffers_of(graph, metas, skip, skip_key, regions)
+                regions: Iterable[tuple[int, int]] = (),
+                aliases: dict | None = None) -> MemoryPlan:
+    """Plan every intermediate of ``graph`` into one arena per device (``regions``, ``aliases``:
+    see :func:`buffers_of`).  An aliased key's offset is its target's plus the alias's bytes."""
+    aliases = dict(aliases or {})
+    bufs, per_call = buffers_of(graph, metas, skip, skip_key, regions, aliases)
     offsets: dict = {}
     arena: dict = {}
     for dev in sorted({b.device for b in bufs}):
         offs, top = assign_offsets([b for b in bufs if b.device == dev], alignment)
         offsets.update(offs)
         arena[dev] = top
-    return MemoryPlan(offsets, arena, bufs, per_call)
+    resolve = _resolver(aliases)
+    for key in aliases:
+        target, off = resolve(key)
+        if target in offsets:
+            offsets[key] = offsets[target] + off
+        else:
+            raise ValueError(f"buffer {key!r} is aliased into {target!r}, which has no arena "
+                             f"storage (handed back to the caller or never planned)")
+    return MemoryPlan(offsets, arena, bufs, per_call, aliases)

@@ -43,6 +43,9 @@ class Options:
     - ``convrot_group``: the largest ConvRot rotation group of ``quantize`` (1, 4, 16, 64 or
       256; 1 = no rotation; default 256); a layer whose K it does not divide takes the largest
       smaller group that does.
+    - ``concat_in_place``: producers write straight into the result of a concatenation where
+      its layout allows, and cats that re-assemble slices of one tensor are elided
+      (``fxbackend.concat``; default True, ``FXB_CONCAT_IN_PLACE=0`` turns it off).
     - ``eval_callback``: ``fn(node, value)`` called after every step (a profiling or debugging
       hook that must see every node: it turns fusion off).  ``value`` may be a view of arena
       storage that later steps reuse: valid during the callback only (clone to keep it).
@@ -58,6 +61,7 @@ class Options:
     device_type: str | None = None
     quantize: str | None = None
     convrot_group: int = 256
+    concat_in_place: bool = True
 
 
 def parse_options(options: Mapping[str, Any] | None = None) -> Options:
@@ -72,6 +76,7 @@ def parse_options(options: Mapping[str, Any] | None = None) -> Options:
         "streams": lambda: _env_flag("FXB_STREAMS"),
         "cuda_graphs": lambda: _env_flag("FXB_CUDA_GRAPHS"),
         "quantize": lambda: os.environ.get("FXB_QUANTIZE") or None,
+        "concat_in_place": lambda: _env_flag("FXB_CONCAT_IN_PLACE"),
     }
     for name, read in env.items():
         v = read()

@@ -73,12 +73,14 @@ def stats() -> dict[str, Any]:
     ``rewrites_by_rule`` (idioms replaced by custom ops, per plan built),
     ``arena_bytes``, ``intermediate_bytes`` and ``workspace_bytes`` (summed over plans built),
     ``concurrent_regions`` (fork/join regions whose branches run side by side, summed over
-    plans built).
+    plans built), ``concat_parts_in_place`` (parts of concatenations their producers write in
+    place) and ``identity_cats`` (cats of slices elided), both summed over plans built.
     """
     with _lock:
         out: dict[str, Any] = {k: _counters.get(k, 0) for k in (
             "graphs_compiled", "nodes_lowered", "fallback_graphs", "plans_built", "replans",
-            "arena_bytes", "intermediate_bytes", "workspace_bytes", "concurrent_regions")}
+            "arena_bytes", "intermediate_bytes", "workspace_bytes", "concurrent_regions",
+            "concat_parts_in_place", "identity_cats")}
         steps: Counter = Counter()
         fusions: Counter = Counter()
         copies = 0

@@ -180,6 +180,7 @@ def test_bad_option_value():
     ("FXB_CUDA_GRAPHS", "1", "cuda_graphs", True),
     ("FXB_STREAMS", "0", "streams", False),
     ("FXB_QUANTIZE", "w8a8", "quantize", "w8a8"),
+    ("FXB_CONCAT_IN_PLACE", "0", "concat_in_place", False),
     ("FXB_QUANTIZE", "", "quantize", None),
 ])
 def test_env_switches(monkeypatch, var, value, field, want):
@@ -302,25 +303,33 @@ def test_steps_by_kernel_counts_per_call(no_grad):
     assert s["copies"] == 0
 
 
-def test_copies_for_op_without_out_overload(no_grad):
+def test_result_of_op_without_out_overload_is_used_as_returned(no_grad):
     q = torch.randn(1, 2, 5, 8)
-    c = capture(lambda q: F.scaled_dot_product_attention(q, q, q) * 2, q, exact=False)
+    c = capture(lambda q: F.scaled_dot_product_attention(q, q, q).exp() * 2, q, exact=False)
     (attn,) = [n for n in c.graph.graph.nodes if "scaled_dot_product" in n.op]
     plan = c.graph.plan_for([q])
-    assert plan.copies == 1, "only the read output is copied"
-    assert (attn.id, 1) not in plan.memory.offsets, "the unread logsumexp gets no storage"
-    c.fn(q)
-    c.fn(q)
-    assert fxbackend.stats()["copies"] == 3
+    assert plan.copies == 0, "the op's own result is the value: no copy into the arena"
+    assert (attn.id, 0) not in plan.memory.offsets and (attn.id, 1) not in plan.memory.offsets
+    # dropped right after its last read (the exp), not kept until the call returns
+    lines = plan.source.splitlines()
+    (at,) = [i for i, ln in enumerate(lines) if f"v{attn.id}_0 = _r[0]" in ln]
+    (gone,) = [i for i, ln in enumerate(lines) if ln.strip() == f"del v{attn.id}_0"]
+    (use,) = [i for i, ln in enumerate(lines) if f"(v{attn.id}_0, out=" in ln]  # the exp
+    assert at < use == gone - 1 < len(lines) - 3
+    for _ in range(3):
+        x = torch.randn(1, 2, 5, 8)
+        assert_same(c.fn(x), F.scaled_dot_product_attention(x, x, x).exp() * 2, exact=False)
+    assert fxbackend.stats()["copies"] == 0
 
 
-def test_copy_for_single_output_op_without_out_overload(no_grad):
+def test_single_output_op_without_out_overload(no_grad):
     fn = lambda x: torch.ops.aten._safe_softmax(x * 2, -1) + 1  # noqa: E731
     c = capture(fn, torch.randn(4, 6))
     ops = [n.op for n in c.graph.graph.nodes]
     assert "aten._safe_softmax.default" in ops
-    c.fn(torch.randn(4, 6))
-    assert fxbackend.stats()["copies"] == 2
+    x = torch.randn(4, 6)
+    assert_same(c.fn(x), fn(x))
+    assert fxbackend.stats()["copies"] == 0
 
 
 # -- dtypes ---------------------------------------------------------------------------------------

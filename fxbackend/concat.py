@@ -1,0 +1,209 @@
+"""Concatenation without copies: producers write straight into the result of ``aten.cat``.
+
+Diffusion transformers concatenate a lot: the text and image halves of q, k and v before
+joint attention, the two token streams at the start of every single-stream block, a UNet's skip
+connections.  Eager (and a plain plan) computes each part into a buffer of its own and then
+copies it into the concatenation.  Two plan-time steps remove those copies; both work on a
+plan's concrete graph and never change a result, only where values live.
+
+1. :func:`elide_identity_cats`: ``cat([x[a0:a1], x[a1:a2], ...], d)`` whose slices tile a
+   contiguous ``x`` along ``d`` in order *is* ``x``; its readers read ``x`` (Flux splits the
+   joint token stream at the end of a single-stream block and concatenates it again at the start
+   of the next).
+2. :func:`plan_concat`: a part whose storage can be a slice of the concatenation's buffer gets
+   that slice as its storage (a memory-plan *alias*: ``{part's buffer key: (cat's buffer key,
+   byte offset)}``, see :func:`fxbackend.memory.plan_memory`), so its producer writes the
+   concatenation directly; the ``cat`` step then copies only the parts that could not be placed
+   (inputs, weights, a part used twice), or nothing at all.
+
+A part is placed only when all of these hold (else it is copied, as before):
+
+- the concatenation is contiguous, planned in the arena (not handed back to the caller), runs
+  natively, and every dimension before ``dim`` has size 1, so each part is one contiguous block
+  of it;
+- the part's storage is a buffer the plan computes (not an input, weight or constant; not
+  handed back to the caller; a single buffer not claimed by another concatenation, appearing
+  once in this one), the part is that whole buffer viewed contiguously from offset 0, and the
+  part, its buffer and the concatenation have one dtype and device;
+- no step writes in place into the part's storage or the concatenation's.
+
+Lifetimes: the concatenation's buffer lives from the first part's step to the last read of it or
+of any part, so nothing else shares those bytes while any part is live.  Two parts are disjoint
+slices of one buffer, so a step that reads one part and writes another is still correct.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from .ir import Graph, Node, TensorMeta, storage_root
+
+__all__ = ["CAT_OP", "ConcatPlan", "elide_identity_cats", "plan_concat"]
+
+CAT_OP = "aten.cat.default"
+_SLICE_OP = "aten.slice.Tensor"
+
+
+@dataclasses.dataclass
+class ConcatPlan:
+    """What :func:`plan_concat` decided.
+
+    ``aliases``: ``{part buffer key: (cat buffer key, byte offset)}`` for the memory planner;
+    ``placed``: ``{cat node: {indices of its sources written in place}}`` (only cats with at
+    least one); ``dest``: ``{(cat node, source index): (dim, start, length)}`` of every source,
+    the slice of the concatenation it fills.
+    """
+
+    aliases: dict = dataclasses.field(default_factory=dict)
+    placed: dict = dataclasses.field(default_factory=dict)
+    dest: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def parts_in_place(self) -> int:
+        return sum(len(v) for v in self.placed.values())
+
+    def copies_left(self, cat: Node, metas: Callable[[Node], Any]) -> list[int]:
+        """Indices of ``cat``'s non-empty sources that its step must still copy."""
+        done = self.placed.get(cat, set())
+        return [j for j, s in enumerate(cat.srcs)
+                if j not in done and isinstance(metas(s), TensorMeta) and metas(s).numel > 0]
+
+
+def _cat_dim(cat: Node, m: TensorMeta) -> int | None:
+    d = cat.params.get("dim", 0)
+    if not isinstance(d, int):
+        return None
+    nd = len(m.shape)
+    if not -nd <= d < nd:
+        return None
+    return d % nd
+
+
+def _buffer_bytes(m: TensorMeta) -> int:
+    return m.span_bytes + m.storage_offset * m.itemsize
+
+
+def _written_roots(graph: Graph) -> set:
+    """(owner, index) of every storage some step writes in place."""
+    return {storage_root(n) for n in graph.nodes if n.inplace_of is not None}
+
+
+def _output_roots(graph: Graph) -> set:
+    return {storage_root(o) for o in graph.outputs if isinstance(o, Node)}
+
+
+def elide_identity_cats(graph: Graph, metas: Callable[[Node], Any]) -> int:
+    """Make the readers of every ``cat`` of slices that tile one contiguous tensor, in order,
+    read that tensor instead (the ``cat`` and slices become dead).  Returns how many."""
+    from .fusion import _replace_uses
+    written = _written_roots(graph)
+    outputs = {o for o in graph.outputs if isinstance(o, Node)}
+    done = 0
+    for i, cat in enumerate(list(graph.nodes)):
+        if cat.op != CAT_OP or cat in outputs or not cat.srcs:
+            continue
+        m = metas(cat)
+        if not isinstance(m, TensorMeta) or m.is_symbolic:
+            continue
+        d = _cat_dim(cat, m)
+        base = cat.srcs[0].srcs[0] if cat.srcs[0].op == _SLICE_OP and cat.srcs[0].srcs else None
+        if d is None or base is None:
+            continue
+        bm = metas(base)
+        if not isinstance(bm, TensorMeta) or bm.shape != m.shape or bm.dtype != m.dtype \
+                or bm.device != m.device or not bm.is_contiguous or storage_root(base) in written:
+            continue
+        pos = 0
+        for s in cat.srcs:
+            p = s.params
+            if s.op != _SLICE_OP or not s.srcs or s.srcs[0] is not base:
+                break
+            dim = p.get("dim", 0)
+            if not isinstance(dim, int) or dim % len(m.shape) != d or p.get("step", 1) != 1:
+                break
+            length = metas(s).shape[d]
+            start = p.get("start", 0) or 0
+            if not isinstance(start, int) or not isinstance(length, int):
+                break
+            if start < 0:
+                start += m.shape[d]
+            if start != pos:
+                break
+            pos += length
+        else:
+            if pos == m.shape[d]:
+                _replace_uses(graph, cat, base, graph.nodes.index(cat) + 1)
+                done += 1
+    return done
+
+
+def plan_concat(graph: Graph, metas: Callable[[Node], Any], native: Callable[[Node], bool],
+                no_storage: Callable[[tuple], bool] = lambda key: False) -> ConcatPlan:
+    """Decide which parts of which concatenations are written in place (module docstring).
+
+    ``native(node)``: the node runs its native ATen kernel (only such cats are planned);
+    ``no_storage(key)``: the buffer key gets no storage in this plan.
+    """
+    plan = ConcatPlan()
+    written = _written_roots(graph)
+    returned = _output_roots(graph)
+    for cat in graph.nodes:
+        if cat.op != CAT_OP or not native(cat):
+            continue
+        m = metas(cat)
+        if not isinstance(m, TensorMeta) or m.is_symbolic or not m.is_contiguous \
+                or m.storage_offset != 0:
+            continue
+        d = _cat_dim(cat, m)
+        if d is None:
+            continue
+        outer = 1
+        for s in m.shape[:d]:
+            outer *= s
+        root = (cat, None)
+        if outer != 1 or root in returned or root in written or no_storage((cat.id, None)):
+            continue
+        inner = 1
+        for s in m.shape[d + 1:]:
+            inner *= s
+        placed: set = set()
+        seen: set = set()
+        start = 0
+        for j, s in enumerate(cat.srcs):
+            sm = metas(s)
+            if not isinstance(sm, TensorMeta):
+                break
+            if sm.numel == 0:
+                continue  # an empty part (possibly a legacy 1-d empty tensor) adds nothing
+            if len(sm.shape) != len(m.shape):
+                break
+            length = sm.shape[d]
+            plan.dest[(cat, j)] = (d, start, length)
+            owner, index = storage_root(s)
+            key = (owner.id, index)
+            om = metas(owner)
+            if index is not None:
+                om = om[index] if isinstance(om, tuple) else None
+            ok = (isinstance(om, TensorMeta) and not owner.is_input and owner.op != "constant"
+                  and not owner.is_scalar and owner is not cat
+                  and (owner, index) not in returned and (owner, index) not in written
+                  and key not in plan.aliases and key not in seen and not no_storage(key)
+                  and sm.dtype == m.dtype == om.dtype and sm.device == m.device == om.device
+                  and sm.is_contiguous and sm.storage_offset == 0
+                  and sm.numel * sm.itemsize == _buffer_bytes(om))
+            seen.add(key)
+            if ok:
+                placed.add(j)
+                plan.aliases[key] = ((cat.id, None), start * inner * m.itemsize)
+            start += length
+        else:
+            if placed:
+                plan.placed[cat] = placed
+            continue
+        # a source this planner does not understand: undo this cat's decisions
+        for j in placed:
+            owner, index = storage_root(cat.srcs[j])
+            plan.aliases.pop((owner.id, index), None)
+        for j in range(len(cat.srcs)):
+            plan.dest.pop((cat, j), None)
+    return plan

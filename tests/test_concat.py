@@ -1,0 +1,294 @@
+"""Concatenation without copies (fxbackend/concat.py): parts written straight into the result of
+``aten.cat``, and cats that re-assemble slices of one tensor elided.
+
+Contracts under test (concat.py docstring):
+- a part is placed only when its storage is a whole buffer the plan computes, viewed
+  contiguously, and the concatenation is contiguous with every dim before ``dim`` of size 1;
+  everything else (inputs, outputs, a part used twice, in-place writes, other dtypes, strided
+  slices) is copied as before;
+- the memory plan gives a placed part the cat's offset plus its byte offset, and the cat's
+  buffer lives over every part's lifetime (no live buffer overlaps it);
+- results are bit-identical with ``concat_in_place`` on and off (hypothesis over random graphs).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import fxbackend
+from fxbackend.dynamo import compile_fx_graph
+from fxbackend.options import parse_options
+from fxbackend.concat import elide_identity_cats, plan_concat
+from fxbackend.ir import Graph, Node, TensorMeta
+from fxbackend.memory import plan_memory
+
+from conftest import assert_same, capture
+from test_memory import assert_no_overlap, tm
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def no_grad():
+    with torch.no_grad():
+        yield
+
+
+def _input(g: Graph, meta: TensorMeta) -> Node:
+    return g.append(g.new_node("input", meta=meta, is_input=True))
+
+
+def _op(g: Graph, op: str, srcs, meta, **fields) -> Node:
+    return g.append(g.new_node(op, srcs, meta=meta, **fields))
+
+
+def _cat(g: Graph, srcs, meta, dim) -> Node:
+    return _op(g, "aten.cat.default", srcs, meta, params={"dim": dim})
+
+
+def _two_parts() -> tuple:
+    """A graph with an input ``x [2, 4]`` and two computed parts ``exp(x)``, ``sin(x)``."""
+    g = Graph()
+    x = _input(g, tm(2, 4))
+    return g, x, _op(g, "aten.exp.default", [x], tm(2, 4)), _op(g, "aten.sin.default", [x],
+                                                                 tm(2, 4))
+
+
+def _plan(g: Graph):
+    cp = plan_concat(g, lambda n: n.meta, lambda n: True)
+    return cp, plan_memory(g, aliases=cp.aliases)
+
+
+# -- the planner on hand-built graphs -------------------------------------------------------------
+
+def test_parts_placed_at_their_offsets_and_cat_lives_over_them():
+    g = Graph()
+    x = _input(g, tm(3, 8))                                   # 0
+    a = _op(g, "aten.exp.default", [x], tm(3, 8))             # 1: part 0
+    t = _op(g, "aten.neg.default", [x], tm(3, 8))             # 2: unrelated, dies at 3
+    b = _op(g, "aten.sin.default", [t], tm(5, 8))             # 3: part 1
+    c = _cat(g, [a, b], tm(8, 8), 0)                          # 4
+    out = _op(g, "aten.neg.default", [c, a], tm(8, 8))        # 5: reads the cat and part 0
+    g.outputs = [out]
+    cp, mem = _plan(g)
+    assert cp.placed == {c: {0, 1}} and cp.parts_in_place == 2
+    assert cp.copies_left(c, lambda n: n.meta) == []
+    base = mem.offsets[(c.id, None)]
+    assert mem.offsets[(a.id, None)] == base
+    assert mem.offsets[(b.id, None)] == base + 3 * 8 * 4
+    keys = {bf.key for bf in mem.buffers}
+    assert (a.id, None) not in keys and (b.id, None) not in keys, "parts are not buffers"
+    (cb,) = [bf for bf in mem.buffers if bf.key == (c.id, None)]
+    assert (cb.start, cb.end) == (1, 5) and cb.nbytes == 8 * 8 * 4
+    assert_no_overlap(mem.buffers, mem.offsets)
+
+
+def _placed(g: Graph, cat: Node) -> set:
+    cp, _ = _plan(g)
+    return cp.placed.get(cat, set())
+
+
+def test_input_and_output_parts_are_copied():
+    g = Graph()
+    x = _input(g, tm(2, 4))
+    a = _op(g, "aten.exp.default", [x], tm(2, 4))
+    r = _op(g, "aten.neg.default", [x], tm(2, 4))
+    c = _cat(g, [x, a, r], tm(6, 4), 0)
+    g.outputs = [_op(g, "aten.neg.default", [c], tm(6, 4)), r]
+    assert _placed(g, c) == {1}, "the input and the returned tensor are copied"
+
+
+def test_cat_returned_to_caller_places_nothing():
+    g, x, a, b = _two_parts()
+    c = _cat(g, [a, b], tm(4, 4), 0)
+    g.outputs = [c]
+    assert _placed(g, c) == set()
+
+
+def test_strided_slices_and_other_dtypes_are_copied():
+    g, x, a, b = _two_parts()
+    c1 = _cat(g, [a, b], tm(2, 8), 1)       # dim 1 with 2 rows: parts are strided slices
+    h = _op(g, "aten.exp.default", [x], tm(2, 4, dtype=torch.float16))
+    k = _op(g, "aten.sin.default", [x], tm(2, 4))
+    c2 = _cat(g, [h, k], tm(4, 4), 0)       # cat promotes the half part: it is copied
+    one = _op(g, "aten.exp.default", [x], tm(1, 2, 4))
+    two = _op(g, "aten.sin.default", [x], tm(1, 3, 4))
+    c3 = _cat(g, [one, two], tm(1, 5, 4), -2)  # leading dims of size 1: contiguous parts
+    g.outputs = [_op(g, "aten.add.Tensor", [c1, c1], tm(2, 8)),
+                 _op(g, "aten.add.Tensor", [c2, c2], tm(4, 4)),
+                 _op(g, "aten.add.Tensor", [c3, c3], tm(1, 5, 4))]
+    cp, mem = _plan(g)
+    assert c1 not in cp.placed
+    assert cp.placed[c2] == {1}
+    assert cp.placed[c3] == {0, 1}
+    assert mem.offsets[(two.id, None)] == mem.offsets[(c3.id, None)] + 2 * 4 * 4
+
+
+def test_part_used_twice_and_partial_views_are_copied():
+    g = Graph()
+    x = _input(g, tm(4, 4))
+    a = _op(g, "aten.exp.default", [x], tm(4, 4))
+    s = _op(g, "aten.slice.Tensor", [a], tm(2, 4), view_of=a,
+            params={"dim": 0, "start": 0, "end": 2})
+    c = _cat(g, [a, a, s], tm(10, 4), 0)
+    g.outputs = [_op(g, "aten.neg.default", [c], tm(10, 4))]
+    assert _placed(g, c) == {0}, "the second use copies from the first; a slice is not a buffer"
+
+
+def test_reshaped_whole_buffer_is_placed():
+    g = Graph()
+    x = _input(g, tm(1, 4, 6))
+    a = _op(g, "aten.exp.default", [x], tm(4, 6))
+    v = _op(g, "aten.view.default", [a], tm(1, 4, 6), view_of=a)
+    b = _op(g, "aten.sin.default", [x], tm(1, 4, 6))
+    c = _cat(g, [v, b], tm(1, 8, 6), 1)
+    g.outputs = [_op(g, "aten.neg.default", [c, a], tm(1, 8, 6))]
+    cp, mem = _plan(g)
+    assert cp.placed[c] == {0, 1}
+    assert mem.offsets[(a.id, None)] == mem.offsets[(c.id, None)]
+
+
+def test_inplace_write_into_part_blocks_it():
+    g, x, a, b = _two_parts()
+    c = _cat(g, [a, b], tm(4, 4), 0)
+    w = _op(g, "aten.add_.Tensor", [a, x], tm(2, 4), inplace_of=a)  # a changes after the cat
+    g.outputs = [_op(g, "aten.add.Tensor", [c, c], tm(4, 4)), _op(g, "aten.neg.default", [w],
+                                                                   tm(2, 4))]
+    assert _placed(g, c) == {1}
+
+
+def test_nested_cats_resolve_to_the_outer_buffer():
+    g, x, a, b = _two_parts()
+    inner = _cat(g, [a, b], tm(4, 4), 0)
+    d = _op(g, "aten.cos.default", [x], tm(2, 4))
+    outer = _cat(g, [d, inner], tm(6, 4), 0)
+    g.outputs = [_op(g, "aten.neg.default", [outer], tm(6, 4))]
+    cp, mem = _plan(g)
+    assert cp.placed == {inner: {0, 1}, outer: {0, 1}}
+    base = mem.offsets[(outer.id, None)]
+    assert mem.offsets[(inner.id, None)] == base + 32
+    assert mem.offsets[(a.id, None)] == base + 32
+    assert mem.offsets[(b.id, None)] == base + 64
+    assert [bf.key for bf in mem.buffers] == [(outer.id, None)]
+
+
+def test_alias_into_unplanned_buffer_is_an_error():
+    g = Graph()
+    x = _input(g, tm(4))
+    a = _op(g, "aten.exp.default", [x], tm(4))
+    g.outputs = [a]
+    with pytest.raises(ValueError, match="no arena storage"):
+        plan_memory(g, aliases={(a.id, None): ((999, None), 0)})
+
+
+def test_identity_cat_of_slices_reads_the_tensor():
+    g = Graph()
+    x = _input(g, tm(1, 7, 4))
+    y = _op(g, "aten.exp.default", [x], tm(1, 7, 4))
+    s1 = _op(g, "aten.slice.Tensor", [y], tm(1, 3, 4), view_of=y,
+             params={"dim": 1, "start": 0, "end": 3})
+    s2 = _op(g, "aten.slice.Tensor", [y], tm(1, 4, 4), view_of=y,
+             params={"dim": 1, "start": 3, "end": 2**63 - 1})
+    c = _cat(g, [s1, s2], tm(1, 7, 4), 1)
+    swapped = _cat(g, [s2, s1], tm(1, 7, 4), 1)
+    out = _op(g, "aten.add.Tensor", [c, swapped], tm(1, 7, 4))
+    g.outputs = [out]
+    assert elide_identity_cats(g, lambda n: n.meta) == 1
+    assert out.srcs == [y, swapped], "readers of the identity cat read the sliced tensor"
+
+
+# -- compiled functions ---------------------------------------------------------------------------
+
+def _both(fn, *args, exact=True):
+    """Compiled with the option on and off (each checked against eager)."""
+    on = capture(fn, *args, options={"concat_in_place": True}, exact=exact)
+    torch._dynamo.reset()
+    off = capture(fn, *args, options={"concat_in_place": False}, exact=exact)
+    torch._dynamo.reset()
+    return on, off
+
+
+def test_joint_attention_style_concat(no_grad):
+    def fn(txt, img, w):
+        q_t = torch.nn.functional.rms_norm((txt @ w).view(1, 5, 2, 8), (8,))
+        q_i = torch.nn.functional.rms_norm((img @ w).view(1, 9, 2, 8), (8,))
+        q = torch.cat([q_t, q_i], dim=1)
+        return (q * 2).sum(-1)
+
+    args = (torch.randn(5, 16), torch.randn(9, 16), torch.randn(16, 16))
+    fxbackend.reset_stats()
+    on, off = _both(fn, *args, exact=False)  # the RMSNorm kernel's sum order is not ATen's
+    plan = on.graph.plan_for(list(args))
+    assert plan.concat.parts_in_place == 2
+    assert "torch.cat" not in plan.source and "aten.cat" not in plan.source
+    assert "written in place; no copy" in plan.report()
+    assert off.graph.plan_for(list(args)).concat.parts_in_place == 0
+    assert fxbackend.stats()["concat_parts_in_place"] == 2
+    assert_same(on.out, off.out)
+
+
+def test_split_then_cat_is_elided(no_grad):
+    def fn(x):
+        y = x.exp()
+        a, b = y[:, :3], y[:, 3:]
+        return torch.cat([a, b], dim=1) * 2, torch.cat([b, a], dim=1)
+
+    x = torch.randn(1, 7, 4)
+    fxbackend.reset_stats()
+    on, off = _both(fn, x)
+    assert fxbackend.stats()["identity_cats"] == 1
+    assert "concatenations of slices elided" in on.graph.plan_for([x]).report()
+    assert_same(on.out, off.out)
+
+
+@st.composite
+def _programs(draw):
+    """Random chains over a [1, n, 4] value: unary ops, cats of earlier values along dim 1
+    (some used twice, some inputs), slices, and in-place adds."""
+    n_steps = draw(st.integers(2, 9))
+    prog = []
+    for i in range(n_steps):
+        kind = draw(st.sampled_from(["unary", "cat", "cat", "slice", "inplace"]))
+        k = i + 1  # values 0 (the input) .. i are defined
+        if kind == "cat":
+            picks = draw(st.lists(st.integers(0, k - 1), min_size=1, max_size=3))
+            prog.append(("cat", picks))
+        else:
+            prog.append((kind, draw(st.integers(0, k - 1))))
+    outs = draw(st.lists(st.integers(0, n_steps), min_size=1, max_size=3, unique=True))
+    return prog, outs
+
+
+def _run_program(prog, outs, x):
+    vals = [x]
+    for kind, arg in prog:
+        if kind == "unary":
+            vals.append(torch.sin(vals[arg]) * 1.5)
+        elif kind == "cat":
+            vals.append(torch.cat([vals[j] for j in arg], dim=1))
+        elif kind == "slice":
+            v = vals[arg]
+            vals.append(v[:, : max(1, v.shape[1] // 2)] + 1)
+        else:
+            v = vals[arg] * 1.0
+            v.add_(1.0)
+            vals.append(v)
+    return [vals[i] for i in outs]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(_programs())
+def test_property_on_off_identical(spec):
+    prog, outs = spec
+    x = torch.randn(1, 3, 4)
+    fn = lambda x: _run_program(prog, outs, x)  # noqa: E731
+    gm = make_fx(fn)(x)
+    with torch.no_grad():
+        want = fn(x)
+        for on in (True, False):
+            cg = compile_fx_graph(gm, parse_options({"concat_in_place": on}))
+            assert_same(cg(x), want)
+            assert_same(cg(x + 1), fn(x + 1))  # the arena is reused: nothing stale
