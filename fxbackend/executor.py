@@ -18,6 +18,7 @@ import itertools
 import re
 import sys
 import threading
+import time
 from collections import Counter
 from typing import Any, Sequence
 
@@ -411,6 +412,9 @@ class Plan:
         self._ws_by_node: dict = {}
         self._aux_nodes: set = set()
         self._states: list = []
+        #: options.profile: seconds spent in each step (by node index), over profiled_calls
+        self.step_seconds: list[float] = []
+        self.profiled_calls = 0
         self._prepared = self._prepare_steps()
         self.regions, self.regions_off = self._find_regions()
         #: native steps whose op has no ``.out`` overload: their own result is the value
@@ -427,11 +431,14 @@ class Plan:
                                               aliases=self.concat.aliases)
         self.arenas = {dev: torch.empty(nbytes, dtype=torch.uint8, device=dev)
                        for dev, nbytes in self.memory.arena_bytes.items()}
+        self.step_seconds.extend([0.0] * len(self.graph.nodes))
         self._build()
         #: the CUDA graph of this plan (options cuda_graphs), and why there is none
         self._graph_runner: GraphRunner | None = None
         self.cuda_graph_off: str | None = None
-        if options.cuda_graphs:
+        if options.cuda_graphs and options.profile:
+            self.cuda_graph_off = "profiling times each step on the host"
+        elif options.cuda_graphs:
             why = capture_blocker(self.graph.nodes, self.kernels,
                                   lambda n: n.is_scalar and n not in self.scalars,
                                   self._plan_device().type, options.eval_callback is not None)
@@ -849,11 +856,20 @@ class Plan:
         callback = self.options.eval_callback
         self._aux_nodes = {n for r in self.regions for n in r.aux}
         node_lines: dict = {}
-        for n in g.nodes:
+        if self.options.profile:
+            ns["_pc"] = time.perf_counter
+            ns["_prof"] = self.step_seconds
+            sync = self._plan_device().type == "cuda"
+            if sync:
+                ns["_sync"] = torch.cuda.synchronize
+        for i, n in enumerate(g.nodes):
             mark = len(lines)
             emit(n)
             if callback is not None and not n.is_input and n in expr:
                 lines.append(f"_cb({const(n).src}, {_render(expr[n])})")
+            if self.options.profile and n in self.kernels and len(lines) > mark:
+                lines.insert(mark, "_sync(); _t = _pc()" if sync else "_t = _pc()")
+                lines.append(("_sync(); " if sync else "") + f"_prof[{i}] += _pc() - _t")
             node_lines[n] = lines[mark:]
             del lines[mark:]
         if callback is not None:
@@ -1017,6 +1033,8 @@ class Plan:
             return [], "off (options streams=False or FXB_STREAMS=0)"
         if self.options.eval_callback is not None:
             return [], "off: a per-node evaluation callback is set"
+        if self.options.profile:
+            return [], "off: profiling times one step at a time"
         if any(n.annotations.get("placed") for n in self.graph.nodes):
             return [], "off: steps placed on another device"
         dev = self._plan_device()
@@ -1062,6 +1080,8 @@ class Plan:
     def run(self, args: list) -> list:
         """Execute without validating inputs; returns the list of outputs."""
         stats.record_plan_call(self._stats_key)
+        if self.options.profile:
+            self.profiled_calls += 1
         run = self._graph_runner or self._run
         if not self._prepared:
             return run(args)
@@ -1111,6 +1131,37 @@ class Plan:
             lines.append(f"rewrite {rule} declined on " + ", ".join(f"%{i}" for i in ids) +
                          f": {why}")
         lines.append(self.fusion_report.format())
+        return "\n".join(lines)
+
+    def profile_report(self, top: int = 20) -> str:
+        """With ``options={"profile": True}``: where the time of this plan's calls went, per
+        kernel, per (kernel, op) and for the ``top`` most expensive steps (milliseconds per
+        call; wall clock around each step, synchronised on CUDA)."""
+        if not self.options.profile:
+            return f"plan {self.name}: not profiled (options profile=True or FXB_PROFILE=1)"
+        calls = max(self.profiled_calls, 1)
+        steps = [(sec, n) for sec, n in zip(self.step_seconds, self.graph.nodes)
+                 if n in self.kernels and sec > 0]
+        total = sum(sec for sec, _ in steps)
+        lines = [f"plan {self.name}: {self.profiled_calls} profiled call(s), "
+                 f"{total / calls * 1e3:.2f} ms per call in {len(steps)} steps"]
+        if not steps:
+            return lines[0]
+
+        def table(title: str, rows: dict) -> None:
+            lines.append(title)
+            for key, sec in sorted(rows.items(), key=lambda kv: -kv[1])[:top]:
+                lines.append(f"  {sec / calls * 1e3:9.3f} ms  {100 * sec / total:5.1f}%  {key}")
+
+        by_kernel: Counter = Counter()
+        by_op: Counter = Counter()
+        for sec, n in steps:
+            by_kernel[self.kernels[n].name] += sec
+            by_op[f"{self.kernels[n].name}: {n.op}"] += sec
+        table("by kernel:", by_kernel)
+        table("by kernel and op:", by_op)
+        from .ir import format_node
+        table(f"top {top} steps:", {format_node(n): sec for sec, n in steps})
         return "\n".join(lines)
 
     def __call__(self, *args: Any) -> list:
@@ -1220,3 +1271,10 @@ class CompiledGraph:
 
     def __call__(self, *args: Any) -> list:
         return self.plan_for(args)(*args)
+
+    def profile_report(self, top: int = 20) -> str:
+        """:meth:`Plan.profile_report` of every plan this graph built (``options.profile``)."""
+        plans = ([self._static] if self._static is not None else []) + list(self.plans.values())
+        if not plans:
+            return f"{self.name}: no plan built yet"
+        return "\n\n".join(p.profile_report(top) for p in plans)

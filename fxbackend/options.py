@@ -46,6 +46,9 @@ class Options:
     - ``concat_in_place``: producers write straight into the result of a concatenation where
       its layout allows, and cats that re-assemble slices of one tensor are elided
       (``fxbackend.concat``; default True, ``FXB_CONCAT_IN_PLACE=0`` turns it off).
+    - ``profile``: time every step (``FXB_PROFILE=1``); ``Plan.profile_report()`` /
+      ``CompiledGraph.profile_report()`` say where the time went.  Steps run one at a time
+      (no concurrent regions, no CUDA graph; CUDA synchronises around each step).
     - ``eval_callback``: ``fn(node, value)`` called after every step (a profiling or debugging
       hook that must see every node: it turns fusion off).  ``value`` may be a view of arena
       storage that later steps reuse: valid during the callback only (clone to keep it).
@@ -62,6 +65,7 @@ class Options:
     quantize: str | None = None
     convrot_group: int = 256
     concat_in_place: bool = True
+    profile: bool = False
 
 
 def parse_options(options: Mapping[str, Any] | None = None) -> Options:
@@ -77,6 +81,7 @@ def parse_options(options: Mapping[str, Any] | None = None) -> Options:
         "cuda_graphs": lambda: _env_flag("FXB_CUDA_GRAPHS"),
         "quantize": lambda: os.environ.get("FXB_QUANTIZE") or None,
         "concat_in_place": lambda: _env_flag("FXB_CONCAT_IN_PLACE"),
+        "profile": lambda: _env_flag("FXB_PROFILE"),
     }
     for name, read in env.items():
         v = read()

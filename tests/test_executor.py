@@ -181,6 +181,7 @@ def test_bad_option_value():
     ("FXB_STREAMS", "0", "streams", False),
     ("FXB_QUANTIZE", "w8a8", "quantize", "w8a8"),
     ("FXB_CONCAT_IN_PLACE", "0", "concat_in_place", False),
+    ("FXB_PROFILE", "1", "profile", True),
     ("FXB_QUANTIZE", "", "quantize", None),
 ])
 def test_env_switches(monkeypatch, var, value, field, want):
@@ -441,3 +442,28 @@ def test_inplace_update_of_input_every_call(no_grad):
         ref = ref * 2 + 1
         assert_same(y, ref)
         assert_same(out, ref.sum())
+
+
+# -- profiling ------------------------------------------------------------------------------------
+
+def test_profile_option_times_every_step(no_grad):
+    def fn(x, w):
+        return torch.relu(x @ w).exp() + 1
+
+    x, w = torch.randn(64, 64), torch.randn(64, 64)
+    c = capture(fn, x, w, options={"profile": True, "streams": True}, exact=False)
+    plan = c.graph.plan_for([x, w])
+    for _ in range(3):
+        c.fn(x, w)
+    assert plan.profiled_calls == 4
+    assert plan.regions == [] and "profiling" in plan.regions_off
+    timed = [n for n, sec in zip(plan.graph.nodes, plan.step_seconds) if sec > 0]
+    assert {n.op for n in timed} == {"aten.mm.default", "aten.relu.default", "aten.exp.default",
+                                     "aten.add.Tensor"}
+    report = c.graph.profile_report(top=2)
+    assert "4 profiled call(s)" in report and "native: aten.mm.default" in report
+    assert report.count("%") >= 4 and "top 2 steps:" in report
+    # off by default: no timing code in the step function
+    torch._dynamo.reset()
+    plain = capture(fn, x, w, exact=False).graph.plan_for([x, w])
+    assert "_pc()" not in plain.source and "not profiled" in plain.profile_report()
