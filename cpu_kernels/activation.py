@@ -31,7 +31,9 @@ reported by scripts/bench_activation.py).  Sources: Hendrycks & Gimpel, "GELUs" 
 diffusers ``GELU``/``GEGLU`` (``models/activations.py``).
 
 Layout: the GEMM result ``y`` is a contiguous ``[M, N]`` (``linear_act``: the output itself,
-activated in place in flat chunks) or ``[M, 2N]`` workspace (``linear_glu``: rows in parallel,
+activated in place in flat chunks; or ``[M, N]`` rows at a larger stride, whole rows per task,
+when the plan places the output in a strided slice of a concatenation, as Flux's single-stream
+``cat([attn, mlp], -1)``) or ``[M, 2N]`` workspace (``linear_glu``: rows in parallel,
 each reading its two halves with unit stride and writing one contiguous output row).  bf16/fp16
 pass as bits and convert in registers (rope's ``_load``/``_store``, rmsnorm's ``_round_as``);
 kernels compile at plan time and are cached on disk (rope's cache dir).
@@ -49,7 +51,7 @@ from fxbackend.patterns.activation import ACTS, LinearActFusion, LinearGluFusion
 from . import _numba
 from . import rmsnorm as _rms
 from .rmsnorm import _round_as
-from .rope import _NP_OF, _compile_lock, _load, _set_threads, _store
+from .rope import _NP_OF, _compile_lock, _flat, _load, _set_threads, _store
 
 __all__ = ["why_not", "compile_kernels", "activate_cpu", "glu_cpu", "LinearActCPU"]
 
@@ -133,25 +135,49 @@ def _silu(x):
 # functions, not closures, so that numba can cache them on disk).  The inner loops run over
 # slices (unit stride, bounds known), which is what lets LLVM vectorise them ----------------------
 
-def _inplace_gelu_tanh(buf, total, chunk):
+def _task_rows(t, total, chunk, n, ld):
+    """The rows task ``t`` covers: ``(first, stop, offset, length, stride)``.  ``n == ld``: one
+    flat run of up to ``chunk`` elements; else rows of ``n`` at stride ``ld``, whole rows per
+    task (``chunk`` a multiple of ``n``)."""
+    if n == ld:
+        return 0, 1, t * chunk, min(chunk, total - t * chunk), 0
+    return t * chunk // n, min(t * chunk + chunk, total) // n, 0, n, ld
+
+
+def _gelu_tanh_run(b):
+    for e in range(b.size):
+        _store(b, e, _gelu_tanh(_load(b, e)))
+
+
+def _gelu_run(b):
+    for e in range(b.size):
+        _store(b, e, _gelu_erf(_load(b, e)))
+
+
+def _silu_run(b):
+    for e in range(b.size):
+        _store(b, e, _silu(_load(b, e)))
+
+
+def _inplace_gelu_tanh(buf, total, chunk, n, ld):
     for t in prange((total + chunk - 1) // chunk):
-        b = buf[t * chunk:min(t * chunk + chunk, total)]
-        for e in range(b.size):
-            _store(b, e, _gelu_tanh(_load(b, e)))
+        r0, r1, off, size, step = _task_rows(t, total, chunk, n, ld)
+        for r in range(r0, r1):
+            _gelu_tanh_run(buf[off + r * step:off + r * step + size])
 
 
-def _inplace_gelu(buf, total, chunk):
+def _inplace_gelu(buf, total, chunk, n, ld):
     for t in prange((total + chunk - 1) // chunk):
-        b = buf[t * chunk:min(t * chunk + chunk, total)]
-        for e in range(b.size):
-            _store(b, e, _gelu_erf(_load(b, e)))
+        r0, r1, off, size, step = _task_rows(t, total, chunk, n, ld)
+        for r in range(r0, r1):
+            _gelu_run(buf[off + r * step:off + r * step + size])
 
 
-def _inplace_silu(buf, total, chunk):
+def _inplace_silu(buf, total, chunk, n, ld):
     for t in prange((total + chunk - 1) // chunk):
-        b = buf[t * chunk:min(t * chunk + chunk, total)]
-        for e in range(b.size):
-            _store(b, e, _silu(_load(b, e)))
+        r0, r1, off, size, step = _task_rows(t, total, chunk, n, ld)
+        for r in range(r0, r1):
+            _silu_run(buf[off + r * step:off + r * step + size])
 
 
 def _glu_gelu_tanh(y, out, rows, n, gate_off, other_off):
@@ -187,7 +213,8 @@ _PY_KERNELS = {"gelu_tanh": (_inplace_gelu_tanh, _glu_gelu_tanh),
 
 def _register_helpers(numba) -> None:
     from numba.extending import register_jitable
-    for fn in (_expf, _tanhf, _erff, _gelu_tanh, _gelu_erf, _silu):
+    for fn in (_expf, _tanhf, _erff, _gelu_tanh, _gelu_erf, _silu, _task_rows, _gelu_tanh_run,
+               _gelu_run, _silu_run):
         register_jitable(inline="always")(fn)
 
 
@@ -215,11 +242,24 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 
 def activate_cpu(buf: torch.Tensor, act: str) -> torch.Tensor:
-    """``buf = act(buf)`` in place (contiguous CPU float32/bf16/fp16); returns ``buf``."""
+    """``buf = act(buf)`` in place (CPU float32/bf16/fp16); returns ``buf``.  ``buf`` is
+    contiguous, or 2-D with unit column stride and rows at any stride (a part of a
+    concatenation that the plan placed in a strided slice: ``strided_out``)."""
     inplace, _ = _jit(act)
     _set_threads()
-    if buf.numel():
-        inplace(_np(buf), buf.numel(), _CHUNK)
+    total = buf.numel()
+    if not total:
+        return buf
+    if buf.is_contiguous():
+        inplace(_np(buf), total, _CHUNK, 1, 1)
+        return buf
+    if buf.dim() != 2 or buf.stride(1) != 1 or buf.stride(0) < buf.shape[1]:
+        raise ValueError(f"activate_cpu: a strided buffer must be 2-D with unit column stride "
+                         f"and rows apart by at least a row, got strides {buf.stride()}")
+    m, n = buf.shape
+    ld = buf.stride(0)
+    flat = _flat(buf, (m - 1) * ld + n)
+    inplace(flat, total, max(1, _CHUNK // n) * n, n, ld)
     return buf
 
 
@@ -272,7 +312,7 @@ def compile_kernels(dtype: torch.dtype, act: str) -> None:
     inplace, glu = _jit(act)
     z = np.zeros(0, _NP_OF[dtype])
     with _compile_lock:
-        inplace(z, 0, _CHUNK)
+        inplace(z, 0, _CHUNK, 1, 1)
         glu(z, z, 0, 0, 0, 0)
 
 
@@ -281,6 +321,8 @@ class LinearActCPU:
     ``fxbackend.patterns.activation``): torch's GEMM into ``y``, then one numba pass."""
 
     name = "linear_act_cpu"
+    #: ``linear_act`` writes through any row stride of its output (``activate_cpu``)
+    strided_out = True
 
     def why_not(self, x, w, bias, out_dtype, act, gated):
         return why_not(x, w, bias, out_dtype, act, gated)

@@ -136,17 +136,34 @@ class _Rows(NamedTuple):
     x_stride: tuple  # the table is valid for this stride of x
     bt: np.ndarray  # [k, 3]: per merged leading dim: size, x stride, out stride (elements)
     span: int  # elements x spans from its storage offset
+    o_stride: tuple | None = None  # ... and this stride of out (None: contiguous)
+    o_span: int | None = None  # elements out spans (None: its numel)
 
 
-def _rows(x_shape, x_stride) -> _Rows:
+def _rows(x_shape, x_stride, o_stride=None) -> _Rows:
+    """``o_stride``: out's strides when it is not contiguous (a part of a concatenation the
+    plan places in a strided slice: ``strided_out``); unit feature stride either way."""
     d = int(x_shape[-1])
+    if o_stride is not None and _is_contiguous(x_shape, o_stride):
+        o_stride = None
     # rope's layout with cos/sin of a single row: every leading dim is then a broadcast dim,
     # merged where contiguous in x and out
-    lay = _rope._layout(x_shape, x_stride, (d,), (1,), 4, (d,), (1,), 4, max(d, 1))
+    lay = _rope._layout(x_shape, x_stride, (d,), (1,), 4, (d,), (1,), 4, max(d, 1), o_stride)
     # rows in x's memory order (innermost: the smallest x stride): a transposed [B, S, H, D]
     # then streams through x (and strides through out), 1.7x faster than out's order
     bt = lay.bt[np.argsort(-lay.bt[:, 1], kind="stable")].copy()
-    return _Rows(tuple(x_stride), bt, lay.spans[0])
+    return _Rows(tuple(x_stride), bt, lay.spans[0],
+                 None if o_stride is None else tuple(int(v) for v in o_stride),
+                 None if o_stride is None else _rope._span(x_shape, o_stride))
+
+
+def _is_contiguous(shape, stride) -> bool:
+    acc = 1
+    for n, st in zip(reversed(tuple(shape)), reversed(tuple(stride))):
+        if n != 1 and st != acc:
+            return False
+        acc *= n
+    return True
 
 
 def _why_not(x: Any, w: Any, eps: Any) -> str | None:
@@ -189,8 +206,8 @@ def _launch(rows: _Rows, x, w, out, eps) -> None:
     _set_threads()
     has_w = w is not None
     wf = _flat(w, w.shape[0]) if has_w else np.zeros(0, np.float32)
-    fn(_flat(x, rows.span), wf, _flat(out, out.numel()), rows.bt, x.shape[-1],
-       np.float32(eps), has_w)
+    fn(_flat(x, rows.span), wf, _flat(out, out.numel() if rows.o_span is None else rows.o_span),
+       rows.bt, x.shape[-1], np.float32(eps), has_w)
 
 
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
@@ -239,6 +256,9 @@ class RmsNormCPU:
 
     name = "rms_norm_cpu"
     op = "sd.rms_norm.v1"
+    #: writes through any output strides with unit feature stride (a plan may place the result
+    #: in a strided slice of a concatenation, fxbackend.concat)
+    strided_out = True
 
     def supports(self, node) -> bool:
         try:
@@ -266,15 +286,16 @@ class RmsNormCPU:
 
     def prepare(self, node):
         x = node.srcs[0].meta
-        return _rows(x.shape, x.stride), 0
+        return _rows(x.shape, x.stride, node.meta.stride), 0
 
     def execute(self, ctx, node, state, inputs, out, workspace) -> None:
         x = inputs[0]
         w = inputs[1] if len(inputs) == 2 else None
         rows = state
-        if x.stride() != rows.x_stride:
+        if x.stride() != rows.x_stride or (rows.o_stride is not None and
+                                           out.stride() != rows.o_stride):
             # the caller passed other strides than the plan's metadata: never read out of bounds
-            rows = _rows(x.shape, x.stride())
+            rows = _rows(x.shape, x.stride(), out.stride())
         if node.params.get("weight_in_float", False):
             # (x * r * float(w)) rounded once to out's (x's) dtype: the kernel with a float32
             # weight computes exactly that (no rounding to the weight's dtype in between)

@@ -322,7 +322,8 @@ def _span(shape, stride) -> int:
 
 
 def _layout(x_shape, x_stride, c_shape, c_stride, c_item, s_shape, s_stride, s_item,
-            n_rot) -> _Layout:
+            n_rot, o_stride=None) -> _Layout:
+    """``o_stride``: out's strides (None: contiguous; rmsnorm writes strided outputs)."""
     lead = tuple(int(v) for v in x_shape[:-1])
     k = len(lead)
     d = int(x_shape[-1])
@@ -333,11 +334,14 @@ def _layout(x_shape, x_stride, c_shape, c_stride, c_item, s_shape, s_stride, s_i
         full_stride = (0,) * pad + tuple(stride[:-1])
         return [0 if sz == 1 else int(st) for sz, st in zip(full_shape, full_stride)]
 
-    o_stride, acc = [], d  # out is contiguous
-    for n in reversed(lead):
-        o_stride.append(acc)
-        acc *= n
-    o_stride.reverse()
+    if o_stride is None:
+        o_stride, acc = [], d  # out is contiguous
+        for n in reversed(lead):
+            o_stride.append(acc)
+            acc *= n
+        o_stride.reverse()
+    else:
+        o_stride = [int(v) for v in o_stride[:-1]]
     dims = [[n, int(xs), os_, cs, ss] for n, xs, os_, cs, ss in
             zip(lead, x_stride[:-1], o_stride, bstrides(c_shape, c_stride),
                 bstrides(s_shape, s_stride)) if n != 1]

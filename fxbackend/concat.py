@@ -9,7 +9,8 @@ plan's concrete graph and never change a result, only where values live.
 1. :func:`elide_identity_cats`: ``cat([x[a0:a1], x[a1:a2], ...], d)`` whose slices tile a
    contiguous ``x`` along ``d`` in order *is* ``x``; its readers read ``x`` (Flux splits the
    joint token stream at the end of a single-stream block and concatenates it again at the start
-   of the next).
+   of the next).  Likewise :func:`elide_identity_clones`: a ``clone`` of a value that already
+   has the clone's strides (``aten.rms_norm``'s decomposition ends in one).
 2. :func:`plan_concat`: a part whose storage can be a slice of the concatenation's buffer gets
    that slice as its storage (a memory-plan *alias*: ``{part's buffer key: (cat's buffer key,
    byte offset)}``, see :func:`fxbackend.memory.plan_memory`), so its producer writes the
@@ -18,9 +19,15 @@ plan's concrete graph and never change a result, only where values live.
 
 A part is placed only when all of these hold (else it is copied, as before):
 
-- the concatenation is contiguous, planned in the arena (not handed back to the caller), runs
-  natively, and every dimension before ``dim`` has size 1, so each part is one contiguous block
-  of it;
+- the concatenation is contiguous, planned in the arena (not handed back to the caller) and
+  runs natively;
+- every dimension before ``dim`` has size 1, so the part is one contiguous block of the
+  concatenation; or else the part is a *strided* slice of it (SD3 concatenates q/k/v of
+  ``[B, H, S, D]`` along S), and then the part must be the direct result of its step, read by
+  nothing but this cat, and its kernel must write correctly through any output strides
+  (``strided_ok(node)``: native ops with an ``.out`` overload, extension kernels and fusion
+  rules declaring ``strided_out = True``).  Its metadata then takes the slice's strides
+  (``ConcatPlan.relayout``), before the kernels' ``prepare``;
 - the part's storage is a buffer the plan computes (not an input, weight or constant; not
   handed back to the caller; a single buffer not claimed by another concatenation, appearing
   once in this one), the part is that whole buffer viewed contiguously from offset 0, and the
@@ -36,9 +43,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from .ir import Graph, Node, TensorMeta, storage_root
+from .ir import Graph, Node, TensorMeta, node_deps, storage_root
 
-__all__ = ["CAT_OP", "ConcatPlan", "elide_identity_cats", "plan_concat"]
+__all__ = ["CAT_OP", "ConcatPlan", "elide_identity_cats", "elide_identity_clones", "plan_concat"]
 
 CAT_OP = "aten.cat.default"
 _SLICE_OP = "aten.slice.Tensor"
@@ -51,12 +58,14 @@ class ConcatPlan:
     ``aliases``: ``{part buffer key: (cat buffer key, byte offset)}`` for the memory planner;
     ``placed``: ``{cat node: {indices of its sources written in place}}`` (only cats with at
     least one); ``dest``: ``{(cat node, source index): (dim, start, length)}`` of every source,
-    the slice of the concatenation it fills.
+    the slice of the concatenation it fills; ``relayout``: ``{part node: its new metadata}``
+    for parts placed in a strided slice.
     """
 
     aliases: dict = dataclasses.field(default_factory=dict)
     placed: dict = dataclasses.field(default_factory=dict)
     dest: dict = dataclasses.field(default_factory=dict)
+    relayout: dict = dataclasses.field(default_factory=dict)
 
     @property
     def parts_in_place(self) -> int:
@@ -137,16 +146,48 @@ def elide_identity_cats(graph: Graph, metas: Callable[[Node], Any]) -> int:
     return done
 
 
+def elide_identity_clones(graph: Graph, metas: Callable[[Node], Any]) -> int:
+    """Make the readers of every ``clone`` whose source already has the clone's layout read the
+    source (a functional graph's clone of a value nobody writes in place is that value).
+    Clones handed back to the caller stay.  Returns how many."""
+    from .fusion import _replace_uses
+    written = _written_roots(graph)
+    outputs = {o for o in graph.outputs if isinstance(o, Node)}
+    done = 0
+    for c in list(graph.nodes):
+        if c.op != "aten.clone.default" or c in outputs or len(c.srcs) != 1:
+            continue
+        m, xm = metas(c), metas(c.srcs[0])
+        if not isinstance(m, TensorMeta) or not isinstance(xm, TensorMeta) or m.is_symbolic \
+                or xm.is_symbolic or xm.shape != m.shape or xm.dtype != m.dtype \
+                or xm.device != m.device or storage_root(c.srcs[0]) in written \
+                or (c, None) in written \
+                or any(n > 1 and a != b for n, a, b in zip(m.shape, m.stride, xm.stride)):
+            continue
+        _replace_uses(graph, c, c.srcs[0], graph.nodes.index(c) + 1)
+        done += 1
+    return done
+
+
 def plan_concat(graph: Graph, metas: Callable[[Node], Any], native: Callable[[Node], bool],
-                no_storage: Callable[[tuple], bool] = lambda key: False) -> ConcatPlan:
+                no_storage: Callable[[tuple], bool] = lambda key: False,
+                strided_ok: Callable[[Node], bool] = lambda node: False) -> ConcatPlan:
     """Decide which parts of which concatenations are written in place (module docstring).
 
     ``native(node)``: the node runs its native ATen kernel (only such cats are planned);
-    ``no_storage(key)``: the buffer key gets no storage in this plan.
+    ``no_storage(key)``: the buffer key gets no storage in this plan; ``strided_ok(node)``: the
+    node's kernel writes correctly through any output strides.
     """
     plan = ConcatPlan()
     written = _written_roots(graph)
     returned = _output_roots(graph)
+    readers: dict[Node, int] = {}
+    for n in graph.nodes:
+        for d in set(node_deps(n)):
+            readers[d] = readers.get(d, 0) + 1
+    for o in graph.outputs:
+        if isinstance(o, Node):
+            readers[o] = readers.get(o, 0) + 1
     for cat in graph.nodes:
         if cat.op != CAT_OP or not native(cat):
             continue
@@ -161,7 +202,7 @@ def plan_concat(graph: Graph, metas: Callable[[Node], Any], native: Callable[[No
         for s in m.shape[:d]:
             outer *= s
         root = (cat, None)
-        if outer != 1 or root in returned or root in written or no_storage((cat.id, None)):
+        if root in returned or root in written or no_storage((cat.id, None)):
             continue
         inner = 1
         for s in m.shape[d + 1:]:
@@ -191,10 +232,16 @@ def plan_concat(graph: Graph, metas: Callable[[Node], Any], native: Callable[[No
                   and sm.dtype == m.dtype == om.dtype and sm.device == m.device == om.device
                   and sm.is_contiguous and sm.storage_offset == 0
                   and sm.numel * sm.itemsize == _buffer_bytes(om))
+            if ok and outer != 1:  # a strided slice: only a direct result read by the cat alone
+                # (and not a cat with parts of its own placed: they were laid out contiguously)
+                ok = owner is s and index is None and readers.get(s) == 1 and strided_ok(s) \
+                    and s not in plan.placed
             seen.add(key)
             if ok:
                 placed.add(j)
                 plan.aliases[key] = ((cat.id, None), start * inner * m.itemsize)
+                if outer != 1:
+                    plan.relayout[s] = TensorMeta(sm.shape, m.stride, sm.dtype, sm.device, 0)
             start += length
         else:
             if placed:
@@ -204,6 +251,7 @@ def plan_concat(graph: Graph, metas: Callable[[Node], Any], native: Callable[[No
         for j in placed:
             owner, index = storage_root(cat.srcs[j])
             plan.aliases.pop((owner.id, index), None)
+            plan.relayout.pop(cat.srcs[j], None)
         for j in range(len(cat.srcs)):
             plan.dest.pop((cat, j), None)
     return plan

@@ -27,7 +27,7 @@ import torch
 from . import registry, stats
 from .ir import Graph, Node, ScalarMeta, TensorMeta, contiguous_strides, storage_root
 from .lower import SYM_OPS
-from .concat import ConcatPlan, elide_identity_cats, plan_concat
+from .concat import ConcatPlan, elide_identity_cats, elide_identity_clones, plan_concat
 from .memory import MemoryPlan, buffers_of, plan_memory
 from .fusion import FusionReport, apply_fusions
 from .rewrite import RewriteContext, apply_rewrites
@@ -386,7 +386,10 @@ class Plan:
         #: cats of slices that only re-assembled one tensor (their readers read it instead)
         self.identity_cats = (elide_identity_cats(self.graph, self.metas.__getitem__)
                               if options.concat_in_place else 0)
-        if self.rewrites or self.identity_cats:
+        #: clones of values that already had the clone's layout (their readers read the value)
+        self.identity_clones = (elide_identity_clones(self.graph, self.metas.__getitem__)
+                                if options.concat_in_place else 0)
+        if self.rewrites or self.identity_cats or self.identity_clones:
             from .pipeline import eliminate_dead_nodes
             eliminate_dead_nodes(self.graph, options)
         if options.eval_callback is not None:
@@ -404,7 +407,6 @@ class Plan:
             print(f"[fxbackend] {name} after fusion:\n{self.graph.format()}\n"
                   f"{self.fusion_report.format()}", file=sys.stderr)
         self.kernels = self._select_kernels()
-        self._compile_nodes()
         self.workspace_bytes = 0
         self.workspace = None
         #: bytes of the second workspace, used by the steps of auxiliary branches
@@ -415,16 +417,19 @@ class Plan:
         #: options.profile: seconds spent in each step (by node index), over profiled_calls
         self.step_seconds: list[float] = []
         self.profiled_calls = 0
-        self._prepared = self._prepare_steps()
-        self.regions, self.regions_off = self._find_regions()
         #: native steps whose op has no ``.out`` overload: their own result is the value
         self._bound = self._bound_results()
         unread = self._unread_outputs() | {k for n in self._bound for k in self._keys_of(n)}
         #: parts of concatenations that their producers write in place (fxbackend.concat)
         self.concat = (plan_concat(self.graph, self.metas.__getitem__,
                                    lambda n: self.kernels.get(n) is registry.NATIVE,
-                                   unread.__contains__)
+                                   unread.__contains__, self._writes_strided)
                        if options.concat_in_place else ConcatPlan())
+        for n, m in self.concat.relayout.items():  # before compile: kernels see the layout
+            n.meta = self.metas[n] = m
+        self._compile_nodes()
+        self._prepared = self._prepare_steps()
+        self.regions, self.regions_off = self._find_regions()
         self.memory: MemoryPlan = plan_memory(self.graph, metas=lambda n: self.metas[n],
                                               skip_key=unread.__contains__,
                                               regions=region_lifetimes(self.regions),
@@ -456,6 +461,7 @@ class Plan:
         stats.bump("concurrent_regions", len(self.regions))
         stats.bump("concat_parts_in_place", self.concat.parts_in_place)
         stats.bump("identity_cats", self.identity_cats)
+        stats.bump("identity_clones", self.identity_clones)
         if options.dump:
             print(f"[fxbackend] {name}: {self.memory.summary()}, "
                   f"workspace {self.workspace_bytes / 2**20:.2f} MB", file=sys.stderr)
@@ -573,6 +579,17 @@ class Plan:
                     and not out_overload(n.target) and self._meta_result_matches(n):
                 bound.add(n)
         return bound
+
+    def _writes_strided(self, n: Node) -> bool:
+        """``n``'s step writes correctly into an output of any strides: a native op through its
+        ``.out`` overload, an extension kernel or fusion rule declaring ``strided_out = True``."""
+        k = self.kernels.get(n)
+        if k is None or n in self._bound or isinstance(self.metas[n], tuple):
+            return False
+        if k is registry.NATIVE:
+            return n.op != _COPY_OP and isinstance(n.target, torch._ops.OpOverload) and (
+                n.op == "aten._to_copy.default" or out_overload(n.target) is not None)
+        return bool(getattr(k, "strided_out", False))
 
     def _meta_result_matches(self, n: Node) -> bool:
         """Run on meta tensors laid out as its inputs are *in this plan*, ``n``'s op returns
@@ -1114,9 +1131,9 @@ class Plan:
                 f"%{cat.srcs[j].id}" for j in sorted(parts)) + " written in place" +
                 (f"; copies %{', %'.join(str(cat.srcs[j].id) for j in left)}" if left
                  else "; no copy"))
-        if self.identity_cats:
-            lines.append(f"concatenations of slices elided (readers read the sliced tensor): "
-                         f"{self.identity_cats}")
+        if self.identity_cats or self.identity_clones:
+            lines.append(f"copies elided (readers read the source): {self.identity_cats} "
+                         f"concatenation(s) of slices, {self.identity_clones} clone(s)")
         if self.options.cuda_graphs:
             lines.append("cuda graph: " + (
                 f"captured {self._graph_runner.captures} time(s)" if self._graph_runner

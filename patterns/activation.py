@@ -117,6 +117,9 @@ class _LinearRule:
 
     def __init__(self, impl) -> None:
         self.impl = impl
+        #: the engine may give the plain (not gated) step a strided output when the device
+        #: kernel writes through any row stride (``impl.strided_out``)
+        self.strided_out = not self.gated and bool(getattr(impl, "strided_out", False))
 
     def match(self, graph, i: int):
         try:

@@ -75,6 +75,44 @@ def test_glu_kernel_reads_strided_halves_of_one_buffer():
                                atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("m,n,ld", [(1, 7, 7), (37, 24, 40), (300, 100, 103)])
+def test_in_place_pass_on_strided_rows(m, n, ld, act, dtype):
+    # rows of n at stride ld (a strided slice of a concatenation): exactly the contiguous
+    # result on the rows, the elements between rows untouched
+    base = torch.randn(m, ld).to(dtype)
+    view = base[:, :n]
+    want = activate_cpu(view.contiguous(), act)
+    rest = base[:, n:].clone()
+    activate_cpu(view, act)
+    assert torch.equal(view, want) and torch.equal(base[:, n:], rest)
+    with pytest.raises(ValueError, match="unit column stride"):
+        activate_cpu(torch.randn(4, 6).t(), act)
+
+
+def test_linear_act_output_placed_in_a_strided_concat_slice():
+    # Flux's single-stream block: cat([attn, gelu_tanh(proj_mlp(x))], -1) -> proj_out
+    def fn(x, a, w, b, w2):
+        mlp = torch.nn.functional.gelu(torch.addmm(b, x, w), approximate="tanh")
+        return torch.cat([torch.sin(a), mlp], dim=-1) @ w2
+
+    args = (torch.randn(9, 8), torch.randn(9, 4), torch.randn(8, 12), torch.randn(12),
+            torch.randn(16, 3))
+    with torch.no_grad(), fxbackend.record_graphs() as graphs:
+        fxbackend.reset_stats()
+        got = torch.compile(fn, backend="fxbackend")(*args)
+    plan = graphs[0].plan_for(list(args))
+    (fused,) = [n for n in plan.graph.nodes if n.op == "fused.linear_act"]
+    assert fused in plan.concat.relayout and plan.metas[fused].stride == (16, 1)
+    assert plan.concat.parts_in_place == 2
+    torch.testing.assert_close(got, fn(*args), rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+    off = torch.compile(fn, backend="fxbackend", options={"concat_in_place": False})
+    with torch.no_grad():
+        assert torch.equal(off(*args), got)
+
+
 # -- the rules on whole graphs ----------------------------------------------------------------
 
 class _SwiGLU(torch.nn.Module):

@@ -3,9 +3,10 @@
 
 Contracts under test (concat.py docstring):
 - a part is placed only when its storage is a whole buffer the plan computes, viewed
-  contiguously, and the concatenation is contiguous with every dim before ``dim`` of size 1;
-  everything else (inputs, outputs, a part used twice, in-place writes, other dtypes, strided
-  slices) is copied as before;
+  contiguously, and the concatenation is contiguous; a strided slice (a dim before ``dim``
+  larger than 1) only for a step's direct result read by the cat alone whose kernel writes any
+  strides (its metadata takes the slice's strides); everything else (inputs, outputs, a part used
+  twice, in-place writes, other dtypes) is copied as before;
 - the memory plan gives a placed part the cat's offset plus its byte offset, and the cat's
   buffer lives over every part's lifetime (no live buffer overlaps it);
 - results are bit-identical with ``concat_in_place`` on and off (hypothesis over random graphs).
@@ -21,7 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import fxbackend
 from fxbackend.dynamo import compile_fx_graph
 from fxbackend.options import parse_options
-from fxbackend.concat import elide_identity_cats, plan_concat
+from fxbackend.concat import elide_identity_cats, elide_identity_clones, plan_concat
 from fxbackend.ir import Graph, Node, TensorMeta
 from fxbackend.memory import plan_memory
 
@@ -127,6 +128,36 @@ def test_strided_slices_and_other_dtypes_are_copied():
     assert mem.offsets[(two.id, None)] == mem.offsets[(c3.id, None)] + 2 * 4 * 4
 
 
+def test_strided_slices_for_kernels_that_write_any_strides():
+    g, x, a, b = _two_parts()
+    c1 = _cat(g, [a, b], tm(2, 8), 1)                  # parts are [2, 4] slices, row stride 8
+    y = _op(g, "aten.cos.default", [x], tm(2, 4))
+    z = _op(g, "aten.tan.default", [x], tm(2, 4))
+    c2 = _cat(g, [y, z], tm(2, 8), 1)
+    g.outputs = [_op(g, "aten.add.Tensor", [c1, c1], tm(2, 8)),
+                 _op(g, "aten.add.Tensor", [c2, z], tm(2, 8))]  # z is read twice
+    strided_ok = {a, b, y}.__contains__                # tan's kernel would not write strides
+    cp = plan_concat(g, lambda n: n.meta, lambda n: True, strided_ok=strided_ok)
+    assert cp.placed == {c1: {0, 1}, c2: {0}}
+    assert cp.relayout[b] == TensorMeta((2, 4), (8, 1), torch.float32, CPU, 0)
+    assert set(cp.relayout) == {a, b, y}
+    mem = plan_memory(g, aliases=cp.aliases)
+    assert mem.offsets[(b.id, None)] == mem.offsets[(c1.id, None)] + 4 * 4  # column 4
+
+
+def test_cat_with_placed_parts_is_not_relaid_into_a_strided_slice():
+    # PixArt's sinusoidal embedding: cat(cat(sin, cos, 1), cat(sin, cos, 1), 1) on [N, .]
+    g, x, a, b = _two_parts()
+    inner = _cat(g, [a, b], tm(2, 8), 1)
+    c, d = _op(g, "aten.cos.default", [x], tm(2, 4)), _op(g, "aten.tan.default", [x], tm(2, 4))
+    inner2 = _cat(g, [c, d], tm(2, 8), 1)
+    outer = _cat(g, [inner, inner2], tm(2, 16), 1)
+    g.outputs = [_op(g, "aten.neg.default", [outer], tm(2, 16))]
+    cp = plan_concat(g, lambda n: n.meta, lambda n: True, strided_ok=lambda n: True)
+    assert cp.placed == {inner: {0, 1}, inner2: {0, 1}}, "the inner cats keep their layout"
+    assert inner not in cp.relayout and inner2 not in cp.relayout
+
+
 def test_part_used_twice_and_partial_views_are_copied():
     g = Graph()
     x = _input(g, tm(4, 4))
@@ -200,6 +231,24 @@ def test_identity_cat_of_slices_reads_the_tensor():
     assert out.srcs == [y, swapped], "readers of the identity cat read the sliced tensor"
 
 
+def test_identity_clones_elided_only_where_nothing_can_tell():
+    g = Graph()
+    x = _input(g, tm(4, 6))
+    y = _op(g, "aten.exp.default", [x], tm(4, 6))
+    same = _op(g, "aten.clone.default", [y], tm(4, 6))
+    t = _op(g, "aten.t.default", [y], TensorMeta((6, 4), (1, 6), torch.float32, CPU), view_of=y)
+    relaid = _op(g, "aten.clone.default", [t], tm(6, 4))        # a layout change: a real copy
+    returned = _op(g, "aten.clone.default", [y], tm(4, 6))      # handed back: stays distinct
+    of_input = _op(g, "aten.clone.default", [x], tm(4, 6))
+    w = _op(g, "aten.add_.Tensor", [x, y], tm(4, 6), inplace_of=x)  # x changes afterwards
+    a = _op(g, "aten.neg.default", [same], tm(4, 6))
+    b = _op(g, "aten.neg.default", [relaid], tm(6, 4))
+    cc = _op(g, "aten.neg.default", [of_input], tm(4, 6))
+    g.outputs = [a, b, cc, returned, w]
+    assert elide_identity_clones(g, lambda n: n.meta) == 1
+    assert a.srcs == [y] and b.srcs == [relaid] and cc.srcs == [of_input]
+
+
 # -- compiled functions ---------------------------------------------------------------------------
 
 def _both(fn, *args, exact=True):
@@ -230,6 +279,29 @@ def test_joint_attention_style_concat(no_grad):
     assert_same(on.out, off.out)
 
 
+def test_sd3_style_strided_concat_of_rms_norms(no_grad):
+    # [B, H, S, D] q of two token streams, normed per head and joined along S (dim 2): the
+    # RMSNorm kernel writes each stream's rows straight into the strided slice
+    def fn(txt, img, w, nw):
+        def heads(t, n):
+            return (t @ w).view(1, n, 2, 8).transpose(1, 2)
+        q_t = torch.nn.functional.rms_norm(heads(txt, 5), (8,), nw, 1e-6)
+        q_i = torch.nn.functional.rms_norm(heads(img, 9), (8,), nw, 1e-6)
+        return torch.cat([q_i, q_t], dim=2) * 2
+
+    args = (torch.randn(5, 16), torch.randn(9, 16), torch.randn(16, 16), torch.rand(8) + 0.5)
+    fxbackend.reset_stats()
+    on, off = _both(fn, *args, exact=False)
+    assert fxbackend.stats()["identity_clones"] == 2  # aten.rms_norm's trailing clones
+    plan = on.graph.plan_for(list(args))
+    norms = [n for n in plan.graph.nodes if n.op == "sd.rms_norm.v1"]
+    assert len(norms) == 2 and all(plan.kernels[n].name == "rms_norm_cpu" for n in norms)
+    assert plan.concat.parts_in_place == 2 and set(plan.concat.relayout) == set(norms)
+    assert plan.metas[norms[0]].stride == (2 * 14 * 8, 14 * 8, 8, 1)
+    assert_same(on.out, off.out)
+    assert_same(on.fn(*[a + 1 for a in args]), off.fn(*[a + 1 for a in args]))
+
+
 def test_split_then_cat_is_elided(no_grad):
     def fn(x):
         y = x.exp()
@@ -240,26 +312,27 @@ def test_split_then_cat_is_elided(no_grad):
     fxbackend.reset_stats()
     on, off = _both(fn, x)
     assert fxbackend.stats()["identity_cats"] == 1
-    assert "concatenations of slices elided" in on.graph.plan_for([x]).report()
+    assert "1 concatenation(s) of slices" in on.graph.plan_for([x]).report()
     assert_same(on.out, off.out)
 
 
 @st.composite
 def _programs(draw):
-    """Random chains over a [1, n, 4] value: unary ops, cats of earlier values along dim 1
-    (some used twice, some inputs), slices, and in-place adds."""
+    """Random chains over a [batch, n, 4] value: unary ops, cats of earlier values along dim 1
+    (some used twice, some inputs, some nested), slices, and in-place adds."""
+    batch = draw(st.sampled_from([2, 1]))  # 2: the parts are strided slices of the cats
     n_steps = draw(st.integers(2, 9))
     prog = []
     for i in range(n_steps):
-        kind = draw(st.sampled_from(["unary", "cat", "cat", "slice", "inplace"]))
+        kind = draw(st.sampled_from(["unary", "cat", "cat", "nested", "slice", "inplace"]))
         k = i + 1  # values 0 (the input) .. i are defined
-        if kind == "cat":
+        if kind in ("cat", "nested"):
             picks = draw(st.lists(st.integers(0, k - 1), min_size=1, max_size=3))
-            prog.append(("cat", picks))
+            prog.append((kind, picks))
         else:
             prog.append((kind, draw(st.integers(0, k - 1))))
     outs = draw(st.lists(st.integers(0, n_steps), min_size=1, max_size=3, unique=True))
-    return prog, outs
+    return prog, outs, batch
 
 
 def _run_program(prog, outs, x):
@@ -269,6 +342,9 @@ def _run_program(prog, outs, x):
             vals.append(torch.sin(vals[arg]) * 1.5)
         elif kind == "cat":
             vals.append(torch.cat([vals[j] for j in arg], dim=1))
+        elif kind == "nested":  # fresh parts, a cat of them inside another cat
+            inner = torch.cat([torch.cos(vals[j]) for j in arg], dim=1)
+            vals.append(torch.cat([torch.exp(vals[arg[0]]), inner], dim=1) * 1.5)
         elif kind == "slice":
             v = vals[arg]
             vals.append(v[:, : max(1, v.shape[1] // 2)] + 1)
@@ -282,8 +358,8 @@ def _run_program(prog, outs, x):
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(_programs())
 def test_property_on_off_identical(spec):
-    prog, outs = spec
-    x = torch.randn(1, 3, 4)
+    prog, outs, batch = spec
+    x = torch.randn(batch, 3, 4)
     fn = lambda x: _run_program(prog, outs, x)  # noqa: E731
     gm = make_fx(fn)(x)
     with torch.no_grad():
