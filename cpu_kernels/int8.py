@@ -2,24 +2,30 @@
 ``sd.linear_i8.v1`` (see ``patterns/int8.py`` for the maths, the evaluation order and the packed
 layout), with the integer GEMM through ``torch._int_mm``.
 
-Rotate + quantize (:func:`quantize_i8_convrot_cpu`, one parallel loop over rows, ``prange``):
-each row goes through two float32 row buffers: stage 0 of the rotation reads x (bf16/fp16 bits
-converted in registers) into the first, each later stage of ``rotate_reference`` (stride 4^j,
-blocks of 4^(j+1) features, which never cross a group because the group is a power of 4
-dividing K) reads one buffer and writes the other (so that LLVM sees no dependence between an
-inner loop's loads and stores); then ``amax`` and the codes: true float32 division
-``(r * 2^-k) / scale``, round-half-to-even as ``(v + 1.5 * 2^23) - 1.5 * 2^23`` (exact for
-``|v| < 2^22``; here ``|v| <= 127``), clamp, convert.  ``amax`` is the integer maximum of the
-bit patterns with the sign cleared (the float order for non-NaN values; an integer max
-reduction vectorises, a float one does not under strict IEEE), taken before the exact 2^-k
-scaling and scaled after (rounding is monotone, so it is the max of the scaled values).  Hot
-loops index with unsigned ints: numba then emits no negative-index wrap-around and LLVM
-vectorises them (with the two buffers and the integer amax: 4x faster than a first version
-with signed indices, one buffer and a float amax, on 256 x 1536 rows, group 256).  Any K
-divisible by the group works: the buffers hold one row whatever its length.  Padding rows of
-the packed layout are written as zeros with scale 0.0.  Strict IEEE float32 throughout
-(``fastmath=False``: no reassociation, no FMA contraction), so codes and scales are bit-equal
-to ``quantize_i8_convrot_reference``.
+Rotate + quantize (:func:`quantize_i8_convrot_cpu`, one parallel loop over tasks of whole rows,
+``prange``, each task with one float32 scratch row allocated once): stage 0 of the rotation
+(stride 1) reads x (bf16/fp16 bits converted in registers) into the scratch row, which LLVM
+vectorises as interleaved loads and stores; the later stages of ``rotate_reference`` (stride
+4^j, blocks of 4^(j+1) features, which never cross a group because the group is a power of 4
+dividing K) run in place through a numba intrinsic that does the butterfly on four
+``<4 x float>`` (stride 4) or ``<8 x float>`` (stride >= 16) vectors: numba disables LLVM's
+SLP vectoriser and its loop vectoriser left the stride-4 stage scalar (an inner loop of 4
+iterations; 0.3 ns an element, half of the rotation's time at group 256).  Group 1 skips the
+scratch row: amax and codes read x directly.  Then ``amax`` and the codes: true float32
+division ``(r * 2^-k) / scale`` (``vdivps``: the bound of that loop), round-half-to-even as
+``(v + 1.5 * 2^23) - 1.5 * 2^23`` (exact for ``|v| < 2^22``; here ``|v| <= 127``), clamp,
+convert.  ``amax`` is the integer maximum of the bit patterns with the sign cleared (the float
+order for non-NaN values; an integer max reduction vectorises, a float one does not under
+strict IEEE), taken before the exact 2^-k scaling and scaled after (rounding is monotone, so
+it is the max of the scaled values).  Hot loops index with unsigned ints: numba then emits no
+negative-index wrap-around and LLVM vectorises them.  Measured single-threaded on the kernel
+compiled serially (1024-1101 rows, K 384-3072, float32, shared 2-core Rocket Lake box): group
+256 0.8-0.9 -> 1.3-1.5 Gelem/s, group 64 0.7-0.9 -> 1.3-1.5, group 1 1.3-1.8 -> 2.0-2.5.  Any K
+divisible by the group works: the scratch row holds one row whatever its length.  Padding rows
+of the packed layout are written as zeros with scale 0.0.  Strict IEEE float32 throughout
+(``fastmath=False``: no reassociation, no FMA contraction; the intrinsic's vector
+fadd/fsub carry no fast-math flags), so codes and scales are bit-equal to
+``quantize_i8_convrot_reference``.
 
 Linear (:class:`LinearI8CPU`), three phases, each a whole pass over its data:
 1. ``x_kind="float"``: quantize x into the workspace, in the packed layout
@@ -81,7 +87,9 @@ _QMAX = np.float32(127.0)
 _ONE = np.float32(1.0)
 _ZERO = np.float32(0.0)
 _F32 = (torch.float32, torch.bfloat16, torch.float16)
-_U0, _U1, _U2, _U3, _U4 = (np.uint64(v) for v in (0, 1, 2, 3, 4))
+_U0, _U1, _U2, _U3, _U4, _U8, _U16 = (np.uint64(v) for v in (0, 1, 2, 3, 4, 8, 16))
+#: elements per parallel task of the quantize kernel at least (numba's per-task cost is ~1 us)
+_MIN_TASK_ELEMS = 16384
 _ABS_BITS = np.uint32(0x7FFFFFFF)
 
 
@@ -96,78 +104,149 @@ def _butterfly(a, b, c, d):
     return p + u, p - u, q + w, w - q
 
 
+def _butterflies_x4(b, i, s):
+    """jit only: ``_butterfly`` in place on ``b[j], b[j+s], b[j+2s], b[j+3s]`` for the 4
+    consecutive ``j = i .. i+3``, as <4 x float> vector operations (:func:`_vector_butterflies`)."""
+    raise NotImplementedError("_butterflies_x4 is a numba helper: call it from a jitted kernel")
+
+
+def _butterflies_x8(b, i, s):
+    """jit only: as :func:`_butterflies_x4` for the 8 consecutive ``j = i .. i+7``."""
+    raise NotImplementedError("_butterflies_x8 is a numba helper: call it from a jitted kernel")
+
+
+def _vector_butterflies(width: int):
+    """A numba intrinsic ``(b, i, s)``: ``_butterfly`` on the four ``<width x float>`` vectors at
+    ``b[i]``, ``b[i+s]``, ``b[i+2s]``, ``b[i+3s]`` (``b`` a contiguous 1-D float32 array),
+    written back to the same places.  Each lane is the scalar butterfly (the same fadd/fsub,
+    no fast-math flags), and every load of a call precedes its stores, so in place is exact.
+    Why an intrinsic: numba disables LLVM's SLP vectoriser, and its loop vectoriser leaves the
+    stride-4 stage scalar (an inner loop of 4 iterations; 0.3 ns an element, half the rotation
+    at group 256)."""
+    from llvmlite import ir
+    from numba import types
+    from numba.core.extending import intrinsic
+
+    @intrinsic
+    def butterflies(typingctx, b, i, s):
+        if not (isinstance(b, types.Array) and b.dtype == types.float32 and b.ndim == 1 and
+                b.layout == "C" and isinstance(i, types.Integer) and
+                isinstance(s, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            data = context.make_array(sig.args[0])(context, builder, args[0]).data
+            at = context.cast(builder, args[1], sig.args[1], types.intp)
+            step = context.cast(builder, args[2], sig.args[2], types.intp)
+            vec = ir.VectorType(ir.FloatType(), width).as_pointer()
+            ptrs = []
+            for _ in range(4):
+                ptrs.append(builder.bitcast(builder.gep(data, [at], inbounds=True), vec))
+                at = builder.add(at, step)
+            a, b_, c, d = (builder.load(p, align=4) for p in ptrs)
+            p, q = builder.fadd(a, b_), builder.fsub(a, b_)
+            w, u = builder.fadd(c, d), builder.fsub(c, d)
+            outs = (builder.fadd(p, u), builder.fsub(p, u), builder.fadd(q, w), builder.fsub(w, q))
+            for ptr, v in zip(ptrs, outs):
+                builder.store(v, ptr, align=4)
+            return context.get_dummy_value()
+
+        return types.void(b, i, s), codegen
+
+    return butterflies
+
+
+def _register_butterflies(numba) -> None:
+    from numba.extending import overload
+    for fn, width in ((_butterflies_x4, 4), (_butterflies_x8, 8)):
+        vector = _vector_butterflies(width)
+        overload(fn, inline="always", strict=False)(
+            (lambda v: lambda b, i, s: lambda b, i, s: v(b, i, s))(vector))
+
+
 def _stage_1(x, dst, k):
-    """Stage 0 (stride 1) of the rotation: ``x`` (float32, or bf16/fp16 bits) -> ``dst``."""
+    """Stage 0 (stride 1) of the rotation: ``x`` (float32, or bf16/fp16 bits) -> ``dst`` (LLVM
+    vectorises it as interleaved loads and stores)."""
     for i in range(_U0, k, _U4):
         dst[i], dst[i + _U1], dst[i + _U2], dst[i + _U3] = _butterfly(
             _load(x, i), _load(x, i + _U1), _load(x, i + _U2), _load(x, i + _U3))
 
 
-def _stage(src, dst, k, s):
-    """A stage of stride ``s`` >= 4 of the rotation: ``src`` -> ``dst`` (two buffers, so that
-    LLVM sees no dependence between the loads and the stores of the inner loop)."""
+def _stage_4(b, k):
+    """Stage 1 (stride 4) in place: blocks of 16, one <4 x float> butterfly each."""
+    for i in range(_U0, k, _U16):
+        _butterflies_x4(b, i, _U4)
+
+
+def _stage(b, k, s):
+    """A stage of stride ``s`` >= 16 (a multiple of 8) in place, 8 butterflies a call."""
     for base in range(_U0, k, _U4 * s):
-        for j in range(base, base + s):
-            dst[j], dst[j + s], dst[j + _U2 * s], dst[j + _U3 * s] = _butterfly(
-                src[j], src[j + s], src[j + _U2 * s], src[j + _U3 * s])
+        for j in range(base, base + s, _U8):
+            _butterflies_x8(b, j, s)
 
 
-def _abs_max(b, k):
-    """``max |b[:k]|`` of a float32 array, as the integer maximum of the bit patterns with the
-    sign cleared: for non-NaN floats that order is the float order (a max is exact in any
-    order), and LLVM vectorises an integer max reduction but not a float one."""
-    bits = b.view(np.uint32)
+def _abs_max(x, k):
+    """``max |x[:k]|`` (float32, or bf16/fp16 bits), as the integer maximum of the float32 bit
+    patterns with the sign cleared: for non-NaN floats that order is the float order (a max is
+    exact in any order), and LLVM vectorises an integer max reduction but not a float one."""
     m = np.uint32(0)
     for i in range(k):
-        m = max(m, bits[i] & _ABS_BITS)
+        m = max(m, np.float32(_load(x, i)).view(np.uint32) & _ABS_BITS)
     return np.uint32(m).view(np.float32)
 
 
-def _quantize_row(xr, b0, b1, qr, k, nst, inv):
-    """Rotate one row (stages ping-pong between ``b0`` and ``b1``), quantize it into ``qr``;
-    returns its scale.  ``amax`` is taken before the exact 2^-k scaling and scaled after:
-    rounding is monotone, so ``max|round(r * inv)| == round(max|r| * inv)``."""
+def _codes(x, qr, k, inv, scale):
+    """``qr[i] = clamp(round_half_even((x[i] * inv) / scale), -127, 127)``: the true float32
+    division (vectorised: ``vdivps``, the bound of this loop)."""
+    for i in range(k):
+        v = ((_load(x, i) * inv) / scale + _MAGIC) - _MAGIC
+        qr[i] = np.int8(min(max(v, -_QMAX), _QMAX))
+
+
+def _quantize_row(xr, b, qr, k, nst, inv):
+    """Rotate row ``xr`` (stage 0 into the float32 scratch ``b``, the others in place; no
+    rotation and no copy for ``nst == 0``), quantize it into ``qr``; returns its scale.
+    ``amax`` is taken before the exact 2^-k scaling and scaled after: rounding is monotone,
+    so ``max|round(r * inv)| == round(max|r| * inv)``."""
     if nst == 0:
-        for i in range(k):
-            b0[i] = _load(xr, i)
-        buf = b0
-    else:
-        _stage_1(xr, b0, k)
-        buf = b0
-        s = _U4
-        for _ in range(1, nst):
-            if buf is b0:
-                _stage(b0, b1, k, s)
-                buf = b1
-            else:
-                _stage(b1, b0, k, s)
-                buf = b0
-            s = s * _U4
-    scale = (_abs_max(buf, k) * inv) / _QMAX
+        scale = (_abs_max(xr, k) * inv) / _QMAX
+        if scale == _ZERO:
+            scale = _ONE
+        _codes(xr, qr, k, inv, scale)
+        return scale
+    _stage_1(xr, b, k)
+    if nst > 1:
+        _stage_4(b, k)
+    s = _U16
+    for _ in range(2, nst):
+        _stage(b, k, s)
+        s = s * _U4
+    scale = (_abs_max(b, k) * inv) / _QMAX
     if scale == _ZERO:
         scale = _ONE
-    for i in range(k):
-        v = ((buf[i] * inv) / scale + _MAGIC) - _MAGIC
-        qr[i] = np.int8(min(max(v, -_QMAX), _QMAX))
+    _codes(b, qr, k, inv, scale)
     return scale
 
 
-def _quantize_kernel(x, q, scales, m, mp, k, nst, inv):
-    """Rows ``0 .. mp-1`` in parallel: rows below ``m`` quantized from ``x`` (flat, row-major
-    ``[m, k]``), the rest zeros with scale 0.0.  Unsigned indices throughout: numba then emits
-    no negative-index wrap-around, and LLVM vectorises the loops."""
+def _quantize_kernel(x, q, scales, m, mp, k, nst, inv, chunk):
+    """Rows ``0 .. mp-1`` in parallel tasks of ``chunk`` rows, each task with one scratch row:
+    rows below ``m`` quantized from ``x`` (flat, row-major ``[m, k]``), the rest zeros with
+    scale 0.0.  Unsigned indices throughout: numba then emits no negative-index wrap-around,
+    and LLVM vectorises the loops."""
     ku = np.uint64(k)
-    for row in prange(mp):
-        r = np.uint64(row)
-        qr = q[r * ku:(r + _U1) * ku]
-        if r < m:
-            b0 = np.empty(k, np.float32)
-            b1 = np.empty(k, np.float32)
-            scales[r] = _quantize_row(x[r * ku:(r + _U1) * ku], b0, b1, qr, ku, nst, inv)
-        else:
-            for i in range(ku):
-                qr[i] = 0
-            scales[r] = _ZERO
+    cu = np.uint64(chunk)
+    mpu = np.uint64(mp)
+    for task in prange((mp + chunk - 1) // chunk):
+        b = np.empty(k, np.float32)
+        r0 = np.uint64(task) * cu
+        for r in range(r0, min(r0 + cu, mpu)):
+            qr = q[r * ku:(r + _U1) * ku]
+            if r < m:
+                scales[r] = _quantize_row(x[r * ku:(r + _U1) * ku], b, qr, ku, nst, inv)
+            else:
+                for i in range(ku):
+                    qr[i] = 0
+                scales[r] = _ZERO
 
 
 def _epilogue_kernel(acc, out, xs, ws, b, m, n, has_b):
@@ -188,7 +267,13 @@ def _epilogue_kernel(acc, out, xs, ws, b, m, n, has_b):
 
 
 def _build(numba) -> tuple:
-    _numba.inline(_butterfly, _stage_1, _stage, _abs_max, _quantize_row)
+    from numba.extending import register_jitable
+    _register_butterflies(numba)
+    # _abs_max and _codes as functions: each has two call sites in _quantize_row, and numba's
+    # IR inliner trips over a loop variable inlined twice (NumbaIRAssumptionWarning)
+    for fn in (_abs_max, _codes):
+        register_jitable(fn)
+    _numba.inline(_butterfly, _stage_1, _stage_4, _stage, _quantize_row)
     return _numba.njit(_quantize_kernel), _numba.njit(_epilogue_kernel)
 
 
@@ -205,7 +290,7 @@ def compile_kernels(x_dtype: torch.dtype | None = torch.float32,
     with _compile_lock:  # see rope's compile_kernels
         if x_dtype is not None:
             quant(np.zeros(0, _NP_OF[x_dtype]), np.zeros(0, np.int8), np.zeros(0, np.float32),
-                  0, 0, 4, 1, np.float32(0.5))
+                  0, 0, 4, 1, np.float32(0.5), 1)
         if epilogue:
             b = np.zeros(0, _NP_OF[bias_dtype or torch.float32])
             epi(np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros(0, np.float32),
@@ -224,9 +309,17 @@ def quantize_rows_cpu(x: torch.Tensor, group: int, q: torch.Tensor, scales: torc
         return
     nst = hadamard_stages(group)
     quant, _ = _jit()
-    _set_threads()
+    chunk = rows_per_task(mp, k, _set_threads())
     quant(_flat(x, m * k), _flat(q, mp * k), _flat(scales, mp), m, mp, k, nst,
-          np.float32(2.0 ** -nst))
+          np.float32(2.0 ** -nst), chunk)
+
+
+def rows_per_task(rows: int, k: int, threads: int) -> int:
+    """Rows a parallel task of a row kernel takes: about 4 tasks a thread, each at least
+    :data:`_MIN_TASK_ELEMS` elements (so that the per-task cost and the scratch row
+    allocation stay small)."""
+    per = max(-(-rows // (4 * threads)), -(-_MIN_TASK_ELEMS // max(k, 1)))
+    return max(1, min(per, max(rows, 1)))
 
 
 def _quantize_packed(x: torch.Tensor, group: int, packed: torch.Tensor, m: int, k: int) -> None:

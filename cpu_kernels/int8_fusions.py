@@ -136,10 +136,10 @@ def _epilogue_row(yv, ar, sx, ws, b, has_b, c):
             yv[e] = (np.float32(ar[e]) * sx) * ws[e]
 
 
-def _quantize_into(xv, b0, b1, q, scales, ru, ku, nst, inv):
-    """Packed row ``ru`` (``ku`` codes) and its scale from the float32 row ``xv`` (``b0``/``b1``:
-    the rotation's scratch rows)."""
-    scales[ru] = _quantize_row(xv, b0, b1, q[ru * ku:(ru + np.uint64(1)) * ku], ku, nst, inv)
+def _quantize_into(xv, rb, q, scales, ru, ku, nst, inv):
+    """Packed row ``ru`` (``ku`` codes) and its scale from the float32 row ``xv`` (``rb``: the
+    rotation's scratch row)."""
+    scales[ru] = _quantize_row(xv, rb, q[ru * ku:(ru + np.uint64(1)) * ku], ku, nst, inv)
 
 
 def _activate(x, xv, d, act):
@@ -171,8 +171,8 @@ def _task_rows(task, chunk, nrows):
 
 
 def _scratch_rows(d):
-    """A task's float32 scratch rows of ``d`` values: the row itself and the rotation's two."""
-    return np.empty(d, np.float32), np.empty(d, np.float32), np.empty(d, np.float32)
+    """A task's float32 scratch rows of ``d`` values: the row itself and the rotation's."""
+    return np.empty(d, np.float32), np.empty(d, np.float32)
 
 
 # -- kernels ---------------------------------------------------------------------------------------
@@ -206,7 +206,7 @@ def _i8_actq_kernel(acc, xs, ws, b, has_b, q, scales, m, mp, n, act, nst, inv, c
     (into the scratch ``yv``), the activation, then quantized; the rest padding."""
     ku = np.uint64(n)
     for task in prange(_tasks(mp, chunk)):
-        yv, b0, b1 = _scratch_rows(n)
+        yv, rb = _scratch_rows(n)
         r0, r1 = _task_rows(task, chunk, mp)
         for row in range(r0, r1):
             ru = np.uint64(row)
@@ -217,7 +217,7 @@ def _i8_actq_kernel(acc, xs, ws, b, has_b, q, scales, m, mp, n, act, nst, inv, c
             sx = xs[row]
             _epilogue_row(yv, ar, sx, ws, b, has_b, n)
             _activate(yv, yv, n, act)
-            _quantize_into(yv, b0, b1, q, scales, ru, ku, nst, inv)
+            _quantize_into(yv, rb, q, scales, ru, ku, nst, inv)
 
 
 def _modq_kernel(x, s, h, q, scales, bt, d, xfs, sfs, hfs, eps, is_rms, has_add, c, m, mp,
@@ -226,7 +226,7 @@ def _modq_kernel(x, s, h, q, scales, bt, d, xfs, sfs, hfs, eps, is_rms, has_add,
     ``cpu_kernels/modulation.py``'s kernel does (into the scratch ``xv``), then quantized."""
     ku = np.uint64(d)
     for task in prange(_tasks(mp, chunk)):
-        xv, b0, b1 = _scratch_rows(d)
+        xv, rb = _scratch_rows(d)
         r0, r1 = _task_rows(task, chunk, mp)
         for row in range(r0, r1):
             ru = np.uint64(row)
@@ -246,7 +246,7 @@ def _modq_kernel(x, s, h, q, scales, bt, d, xfs, sfs, hfs, eps, is_rms, has_add,
                 for e in range(d):
                     xv[e] = _round_as(x, _modulate(x, xv[e], mean, r, _load(s, so + e * sfs),
                                                    _load(h, ho + e * hfs), has_add, c))
-            _quantize_into(xv, b0, b1, q, scales, ru, ku, nst, inv)
+            _quantize_into(xv, rb, q, scales, ru, ku, nst, inv)
 
 
 def _rmsq_kernel(x, w, like, q, scales, bt, d, eps, has_w, m, mp, nst, inv, chunk):
@@ -256,7 +256,7 @@ def _rmsq_kernel(x, w, like, q, scales, bt, d, eps, has_w, m, mp, nst, inv, chun
     so ``oo // d`` is its packed row."""
     ku = np.uint64(d)
     for task in prange(_tasks(mp, chunk)):
-        xv, b0, b1 = _scratch_rows(d)
+        xv, rb = _scratch_rows(d)
         r0, r1 = _task_rows(task, chunk, mp)
         for i in range(r0, r1):
             if i >= m:
@@ -272,7 +272,7 @@ def _rmsq_kernel(x, w, like, q, scales, bt, d, eps, has_w, m, mp, nst, inv, chun
                 for e in range(d):
                     xv[e] = _round_as(like, _load(xr, e) * r)
             ru = np.uint64(oo // d)
-            _quantize_into(xv, b0, b1, q, scales, ru, ku, nst, inv)
+            _quantize_into(xv, rb, q, scales, ru, ku, nst, inv)
 
 
 def _preq_kernel(x, o, q, scales, bt, d, xfs, ofs, act, has_o, scale, op, m, mp, nst, inv,
@@ -281,7 +281,7 @@ def _preq_kernel(x, o, q, scales, bt, d, xfs, ofs, act, has_o, scale, op, m, mp,
     multiplier, scaled; each step rounded to x's type), then quantized."""
     ku = np.uint64(d)
     for task in prange(_tasks(mp, chunk)):
-        xv, b0, b1 = _scratch_rows(d)
+        xv, rb = _scratch_rows(d)
         r0, r1 = _task_rows(task, chunk, mp)
         for row in range(r0, r1):
             ru = np.uint64(row)
@@ -305,7 +305,7 @@ def _preq_kernel(x, o, q, scales, bt, d, xfs, ofs, act, has_o, scale, op, m, mp,
             elif op == 2:
                 for e in range(d):
                     xv[e] = _round_as(x, xv[e] / scale)
-            _quantize_into(xv, b0, b1, q, scales, ru, ku, nst, inv)
+            _quantize_into(xv, rb, q, scales, ru, ku, nst, inv)
 
 
 def _build(numba) -> dict:

@@ -306,6 +306,41 @@ def test_cpu_quantize_special_rows(group):
     assert s[0] == 1.0 and s[1] == 1.0 and s[2] == 1.0
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("group", REGULAR_HADAMARD_GROUPS)
+def test_cpu_quantize_kernel_paths_every_group(group, dtype, threads):
+    """The kernel's code paths: no rotation (group 1, codes straight from x), stage 0, the
+    stride-4 stage, the vector stages of stride >= 16; an odd number of groups a row; several
+    parallel tasks of whole rows, the last one short, and padding rows; special rows."""
+    k = 3 * max(group, 16)
+    m = 301  # 2 threads: tasks of 64 rows (rows_per_task), 304 packed rows (3 padding)
+    gen = torch.Generator().manual_seed(group)
+    x = torch.randn(m, k, generator=gen) * torch.logspace(-2, 2, k)
+    x[0] = 0.0
+    x[1, 5] = -1e4  # the largest magnitude is negative
+    x[2] *= 1e-39  # subnormals
+    x[3] = torch.arange(k) - k / 2 + 0.5  # many .5 ties for group 1
+    x = x.to(dtype)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_int8.quantize_i8_convrot_cpu(x, group)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(out, quantize_i8_convrot_reference(x, group))
+    q, s = unpack(out, m, k)
+    assert s[0] == 1.0 and not q[0].any()
+
+
+def test_rows_per_task_balances_and_bounds_the_tasks():
+    assert cpu_int8.rows_per_task(1024, 3072, 2) == 128  # 4 tasks a thread
+    assert cpu_int8.rows_per_task(1024, 256, 2) == 128
+    assert cpu_int8.rows_per_task(100, 256, 2) == 64  # at least 16384 elements a task
+    assert cpu_int8.rows_per_task(3, 256, 2) == 3
+    assert cpu_int8.rows_per_task(0, 256, 2) == 1
+
+
 @pytest.mark.parametrize("dtype", [BF16, F16])
 def test_cpu_quantize_16_bit_inputs(dtype):
     gen = torch.Generator().manual_seed(11)
