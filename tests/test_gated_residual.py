@@ -75,6 +75,68 @@ def test_cpu_kernel_takes_2d_and_4d_outputs():
     assert torch.equal(out4, gated_residual_reference(y4, gate4, res4))
 
 
+def _wide(g, dtype, *shape):
+    """Normals scaled by random powers of two: [2**-30, 2**30] (fp16: [2**-4, 2**4], so the
+    products stay finite), in ``dtype``."""
+    k = 4 if dtype == F16 else 30
+    return (torch.randn(*shape, generator=g) * torch.exp2(
+        torch.randint(-k, k + 1, shape, generator=g).float())).to(dtype)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("c", [16, 48, 1157])
+@pytest.mark.parametrize("scale_op,scale", SCALES)
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+def test_cpu_kernel_vector_rows_are_bit_exact(dtype, scale_op, scale, c, threads):
+    # float32 and bf16 rows with unit feature stride run in 16-lane vector steps plus a scalar
+    # tail (c % 16), fp16 rows in the scalar loop: against the unfused chain with values of
+    # many magnitudes, a per-sample gate [B, 1, C] (B > 1), residual and out rows strided
+    # wider than C, in place, and with the rows split over threads (b * s * c of 1157 is over
+    # two tasks of _MIN_TASK_ELEMS)
+    g = _gen(11)
+    b, s = 3, 40
+    y = _wide(g, dtype, b, s, c)
+    gate = _wide(g, dtype, b, 6 * c)[:, 2 * c:3 * c].unsqueeze(1)
+    res = _wide(g, dtype, b, s, c + 7)[..., :c]
+    out = torch.full((b, s, c + 3), float("nan"), dtype=dtype)[..., :c]
+    t = y if scale_op is None else y * scale if scale_op == "mul" else y / scale
+    # -(gate * t) as the residual: the unfused chain gives exact zeros, an FMA (or a product
+    # not rounded to dtype) its rounding error
+    cancel = -(gate * t)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for r in (res, cancel):
+            want = r + gate * t
+            cpu_gr.gated_residual_cpu(y, gate, r, out, scale_op=scale_op, scale=scale)
+            assert torch.equal(out, want)
+            y2 = y.clone()
+            cpu_gr.gated_residual_cpu(y2, gate, r, y2, scale_op=scale_op, scale=scale)
+            assert torch.equal(y2, want)
+        assert not out.any()  # the cancelling residual: zeros
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("scale_op,scale", SCALES)
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_cpu_kernel_16bit_every_bit_pattern(dtype, scale_op, scale):
+    # every 16-bit pattern as y (subnormals, infinities, NaNs, the largest finite values)
+    # against random patterns of gate and residual: the vector steps' conversions and
+    # roundings (and the tail's) are eager's, NaN for NaN
+    g = _gen(12)
+    bits = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16)
+    y = torch.cat([bits, bits[:64 * 1027 - 2 ** 16]]).view(dtype).reshape(1, 64, 1027)
+    gate = torch.randint(-2 ** 15, 2 ** 15, (2, 1027), generator=g, dtype=torch.int32)
+    gate = gate.to(torch.int16).view(dtype)[1:].unsqueeze(1)
+    res = torch.randint(-2 ** 15, 2 ** 15, (1, 64, 1027), generator=g, dtype=torch.int32)
+    res = res.to(torch.int16).view(dtype)
+    want = gated_residual_reference(y, gate, res, scale_op, scale)
+    out = cpu_gr.gated_residual_cpu(y, gate, res, torch.empty_like(y), scale_op=scale_op,
+                                     scale=scale)
+    assert ((out == want) | (out.isnan() & want.isnan())).all()
+
+
 def test_cpu_kernel_rejects_what_it_does_not_take():
     y = torch.randn(2, 3, 4)
     with pytest.raises(ValueError, match="dtype"):
