@@ -379,8 +379,8 @@ class Plan:
         #: (rule name, [node ids], reason) of every instance a rewrite rule left alone
         self.rewrites_declined = rewrite_ctx.declined
         if self.rewrites:
-            for n in self.graph.nodes:
-                self.metas.setdefault(n, n.meta)
+            for n in self.graph.nodes:  # new nodes, and nodes a rule gave other metadata
+                self.metas[n] = n.meta
             for rule_name, count in self.rewrites.items():
                 stats.bump("rewrite:" + rule_name, count)
         #: cats of slices that only re-assembled one tensor (their readers read it instead)

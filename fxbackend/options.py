@@ -9,12 +9,14 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
-__all__ = ["Options", "parse_options", "QUANTIZE_MODES", "CONVROT_GROUPS"]
+__all__ = ["Options", "parse_options", "QUANTIZE_MODES", "CONVROT_GROUPS", "ATTENTION_DTYPES"]
 
 #: the values of the ``quantize`` option
 QUANTIZE_MODES = ("w8a8",)
 #: the ConvRot groups (orders of the regular Hadamard matrices) of ``convrot_group``
 CONVROT_GROUPS = (1, 4, 16, 64, 256)
+#: the values of the ``attention_dtype`` option
+ATTENTION_DTYPES = ("bfloat16", "float16")
 
 
 def _env_flag(name: str) -> bool | None:
@@ -43,6 +45,10 @@ class Options:
     - ``convrot_group``: the largest ConvRot rotation group of ``quantize`` (1, 4, 16, 64 or
       256; 1 = no rotation; default 256); a layer whose K it does not divide takes the largest
       smaller group that does.
+    - ``attention_dtype``: ``"bfloat16"`` or ``"float16"`` runs float32 flash attention in
+      that dtype (q, k, v cast, the output cast back; ``patterns/attention.py``;
+      ``FXB_ATTENTION_DTYPE``); None (default): attention keeps the model's dtype.  Changes
+      results by about the 16-bit rounding.
     - ``concat_in_place``: producers write straight into the result of a concatenation where
       its layout allows, and cats that re-assemble slices of one tensor are elided
       (``fxbackend.concat``; default True, ``FXB_CONCAT_IN_PLACE=0`` turns it off).
@@ -65,6 +71,7 @@ class Options:
     quantize: str | None = None
     convrot_group: int = 256
     concat_in_place: bool = True
+    attention_dtype: str | None = None
     profile: bool = False
 
 
@@ -82,6 +89,7 @@ def parse_options(options: Mapping[str, Any] | None = None) -> Options:
         "quantize": lambda: os.environ.get("FXB_QUANTIZE") or None,
         "concat_in_place": lambda: _env_flag("FXB_CONCAT_IN_PLACE"),
         "profile": lambda: _env_flag("FXB_PROFILE"),
+        "attention_dtype": lambda: os.environ.get("FXB_ATTENTION_DTYPE") or None,
     }
     for name, read in env.items():
         v = read()
@@ -102,7 +110,7 @@ def parse_options(options: Mapping[str, Any] | None = None) -> Options:
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"fxbackend option 'streams' must be True, False or None, "
                                  f"got {v!r}")
-        elif key == "quantize":
+        elif key in ("quantize", "attention_dtype"):
             pass  # checked below, with the environment's value
         elif key == "convrot_group":
             if isinstance(v, bool) or v not in CONVROT_GROUPS:
@@ -115,4 +123,8 @@ def parse_options(options: Mapping[str, Any] | None = None) -> Options:
     if q is not None and q not in QUANTIZE_MODES:
         raise ValueError(f"fxbackend option 'quantize' (or FXB_QUANTIZE) must be one of "
                          f"{QUANTIZE_MODES} or None, got {q!r}")
+    a = values.get("attention_dtype")
+    if a is not None and a not in ATTENTION_DTYPES:
+        raise ValueError(f"fxbackend option 'attention_dtype' (or FXB_ATTENTION_DTYPE) must be "
+                         f"one of {ATTENTION_DTYPES} or None, got {a!r}")
     return Options(**values)

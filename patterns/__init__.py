@@ -6,3 +6,4 @@ from . import activation, gated_residual, groupnorm, modulation, rmsnorm, rope, 
 from . import int8  # noqa: F401,E402  (INT8 W8A8 ops)
 from . import int8_fusions  # noqa: F401,E402  (fusions around the INT8 ops)
 from . import quantize  # noqa: F401,E402  (the quantize option; its ops come from int8)
+from . import attention  # noqa: F401,E402  (the attention_dtype option)
