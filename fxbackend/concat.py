@@ -88,6 +88,11 @@ def _cat_dim(cat: Node, m: TensorMeta) -> int | None:
     return d % nd
 
 
+def _dense(m: TensorMeta) -> bool:
+    """Non-overlapping and without gaps (any dim order)."""
+    return m.span_bytes == m.numel * m.itemsize
+
+
 def _buffer_bytes(m: TensorMeta) -> int:
     return m.span_bytes + m.storage_offset * m.itemsize
 
@@ -192,21 +197,15 @@ def plan_concat(graph: Graph, metas: Callable[[Node], Any], native: Callable[[No
         if cat.op != CAT_OP or not native(cat):
             continue
         m = metas(cat)
-        if not isinstance(m, TensorMeta) or m.is_symbolic or not m.is_contiguous \
+        if not isinstance(m, TensorMeta) or m.is_symbolic or not _dense(m) \
                 or m.storage_offset != 0:
             continue
         d = _cat_dim(cat, m)
         if d is None:
             continue
-        outer = 1
-        for s in m.shape[:d]:
-            outer *= s
         root = (cat, None)
         if root in returned or root in written or no_storage((cat.id, None)):
             continue
-        inner = 1
-        for s in m.shape[d + 1:]:
-            inner *= s
         placed: set = set()
         seen: set = set()
         start = 0
@@ -230,17 +229,21 @@ def plan_concat(graph: Graph, metas: Callable[[Node], Any], native: Callable[[No
                   and (owner, index) not in returned and (owner, index) not in written
                   and key not in plan.aliases and key not in seen and not no_storage(key)
                   and sm.dtype == m.dtype == om.dtype and sm.device == m.device == om.device
-                  and sm.is_contiguous and sm.storage_offset == 0
+                  and sm.storage_offset == 0 and _dense(sm)
                   and sm.numel * sm.itemsize == _buffer_bytes(om))
-            if ok and outer != 1:  # a strided slice: only a direct result read by the cat alone
-                # (and not a cat with parts of its own placed: they were laid out contiguously)
-                ok = owner is s and index is None and readers.get(s) == 1 and strided_ok(s) \
-                    and s not in plan.placed
+            # the part's view already has the slice's strides (it covers its whole buffer, so
+            # the buffer placed at the slice's start is the slice), or else it is contiguous and
+            # takes them: only a direct result read by the cat alone (and not a cat with parts
+            # of its own placed: they were laid out for its current strides)
+            same = all(n == 1 or a == b for n, a, b in zip(sm.shape, sm.stride, m.stride))
+            if ok and not same:
+                ok = sm.is_contiguous and owner is s and index is None \
+                    and readers.get(s) == 1 and strided_ok(s) and s not in plan.placed
             seen.add(key)
             if ok:
                 placed.add(j)
-                plan.aliases[key] = ((cat.id, None), start * inner * m.itemsize)
-                if outer != 1:
+                plan.aliases[key] = ((cat.id, None), start * m.stride[d] * m.itemsize)
+                if not same:
                     plan.relayout[s] = TensorMeta(sm.shape, m.stride, sm.dtype, sm.device, 0)
             start += length
         else:

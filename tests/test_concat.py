@@ -158,6 +158,24 @@ def test_cat_with_placed_parts_is_not_relaid_into_a_strided_slice():
     assert inner not in cp.relayout and inner2 not in cp.relayout
 
 
+def test_view_with_the_slice_strides_is_placed_in_a_dense_strided_cat():
+    # a column-major [2, 6] cat along dim 1: each [2, 3] slice is one contiguous block, which a
+    # transposed [3, 2] buffer fills exactly (same strides)
+    g = Graph()
+    x = _input(g, tm(3, 2))
+    a = _op(g, "aten.exp.default", [x], tm(3, 2))
+    at = _op(g, "aten.t.default", [a], TensorMeta((2, 3), (1, 2), torch.float32, CPU),
+             view_of=a)
+    b = _op(g, "aten.sin.default", [x], tm(3, 2))
+    bt = _op(g, "aten.t.default", [b], TensorMeta((2, 3), (1, 2), torch.float32, CPU),
+             view_of=b)
+    c = _cat(g, [at, bt], TensorMeta((2, 6), (1, 2), torch.float32, CPU), 1)
+    g.outputs = [_op(g, "aten.neg.default", [c], tm(2, 6))]
+    cp, mem = _plan(g)
+    assert cp.placed == {c: {0, 1}} and cp.relayout == {}
+    assert mem.offsets[(b.id, None)] == mem.offsets[(c.id, None)] + 3 * 2 * 4
+
+
 def test_part_used_twice_and_partial_views_are_copied():
     g = Graph()
     x = _input(g, tm(4, 4))
