@@ -17,8 +17,9 @@ accumulators inside it), and everything around attention stays float32.  It chan
 0.9999 on the small Flux/SD3 configs, ``scripts/bench_int8.py``), which is why it is an
 explicit option and never a default.
 
-Rewritten: ``aten._scaled_dot_product_flash_attention_for_cpu`` and
-``aten._scaled_dot_product_flash_attention`` (CUDA) with float32 q, k, v and no mask; other
+Rewritten: ``aten._scaled_dot_product_flash_attention_for_cpu``, and on CUDA
+``aten._scaled_dot_product_flash_attention`` and ``_scaled_dot_product_efficient_attention``
+(what torch picks for float32 there), with float32 q, k, v and no mask or bias; other
 attention ops and masked attention stay float32, and the plan's report says why.
 """
 from __future__ import annotations
@@ -32,7 +33,8 @@ __all__ = ["AttentionDtype", "ATTENTION_OPS"]
 
 #: the attention ops this rule rewrites (their tensor inputs are q, k, v [, mask])
 ATTENTION_OPS = ("aten._scaled_dot_product_flash_attention_for_cpu.default",
-                 "aten._scaled_dot_product_flash_attention.default")
+                 "aten._scaled_dot_product_flash_attention.default",
+                 "aten._scaled_dot_product_efficient_attention.default")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 _TO_COPY = torch.ops.aten._to_copy.default
 

@@ -79,3 +79,20 @@ def test_flux_within_bf16_rounding_of_eager():
     assert fxbackend.stats()["rewrites_by_rule"]["attention_dtype"] == 2  # 1 double + 1 single
     cos = F.cosine_similarity(got.flatten(), want.flatten(), dim=0).item()
     assert cos > 0.999 and not torch.equal(got, want)
+
+
+@pytest.mark.cuda
+def test_cuda_attention_runs_in_bfloat16_exactly():
+    # float32 attention on CUDA reaches the graph as the efficient (or flash) op
+    x = torch.randn(40, 32, device="cuda")
+    torch._dynamo.reset()
+    fxbackend.reset_stats()
+    with torch.no_grad():
+        got = torch.compile(_attn, backend="fxbackend",
+                            options={"attention_dtype": "bfloat16"})(x)
+        q = _heads(x)
+        low = F.scaled_dot_product_attention(q.bfloat16(), (q * 0.5).bfloat16(),
+                                             (q + 1).bfloat16())
+    want = low.float().transpose(1, 2).reshape(1, 40, 32) * 2
+    assert fxbackend.stats()["rewrites_by_rule"].get("attention_dtype") == 1
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)  # the kernel may differ by op
