@@ -19,19 +19,20 @@ plan's concrete graph and never change a result, only where values live.
 
 A part is placed only when all of these hold (else it is copied, as before):
 
-- the concatenation is contiguous, planned in the arena (not handed back to the caller) and
-  runs natively;
-- every dimension before ``dim`` has size 1, so the part is one contiguous block of the
-  concatenation; or else the part is a *strided* slice of it (SD3 concatenates q/k/v of
-  ``[B, H, S, D]`` along S), and then the part must be the direct result of its step, read by
-  nothing but this cat, and its kernel must write correctly through any output strides
-  (``strided_ok(node)``: native ops with an ``.out`` overload, extension kernels and fusion
-  rules declaring ``strided_out = True``).  Its metadata then takes the slice's strides
-  (``ConcatPlan.relayout``), before the kernels' ``prepare``;
+- the concatenation is dense (contiguous, or any layout without gaps or overlaps), planned in
+  the arena (not handed back to the caller) and runs natively;
+- the part views its buffer with the slice's own strides (a contiguous part of a contiguous
+  concatenation whose dims before ``dim`` have size 1: one contiguous block of it); or else the
+  part is contiguous and its slice *strided* (SD3 concatenates q/k/v of ``[B, H, S, D]`` along
+  S), and then the part must be the direct result of its step, read by nothing but this cat,
+  and its kernel must write correctly through any output strides (``strided_ok(node)``: native
+  ops with an ``.out`` overload, extension kernels and fusion rules declaring
+  ``strided_out = True``).  Its metadata then takes the slice's strides
+  (``ConcatPlan.relayout``), before the kernels' ``compile`` and ``prepare``;
 - the part's storage is a buffer the plan computes (not an input, weight or constant; not
   handed back to the caller; a single buffer not claimed by another concatenation, appearing
-  once in this one), the part is that whole buffer viewed contiguously from offset 0, and the
-  part, its buffer and the concatenation have one dtype and device;
+  once in this one), the part covers that whole buffer from offset 0, and the part, its
+  buffer and the concatenation have one dtype and device;
 - no step writes in place into the part's storage or the concatenation's.
 
 Lifetimes: the concatenation's buffer lives from the first part's step to the last read of it or
