@@ -37,6 +37,38 @@ def test_cpu_kernel_is_bit_exact(x_dt, out_dt, shape, transposed):
     assert torch.equal(out, scale_cast_reference(x, 0.18215, out.dtype))
 
 
+def _hard_float32_cases() -> torch.Tensor:
+    """Float32 values at every kind of 16-bit rounding boundary: every fp16 and bf16 value,
+    the midpoints between neighbours (ties: to even) and one float32 ulp either side, the
+    overflow edges, subnormals, signed zeros, infinities and NaN."""
+    f16 = torch.arange(0, 2 ** 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    bf16 = torch.arange(0, 2 ** 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    vals = [f16.float(), bf16.float()]
+    for v in (f16.float(), bf16.float()):
+        v = v[v.isfinite()].unique()
+        mid = (v[:-1].double() + v[1:].double()) / 2  # exact in float64, rounds in float32
+        m32 = mid.float()
+        vals += [m32, torch.nextafter(m32, torch.tensor(float("inf"))),
+                 torch.nextafter(m32, torch.tensor(float("-inf")))]
+    edge = torch.tensor([65504.0, 65519.99, 65520.0, 65536.0, 3.0e38, 6.0e-8, 2.9e-8, 3.0e-8,
+                         5.96e-8, 1e-45, -0.0, 0.0, float("inf"), float("-inf"), float("nan")])
+    vals += [edge, -edge]
+    return torch.cat(vals)
+
+
+@pytest.mark.parametrize("out_dt", [torch.float16, torch.bfloat16])
+def test_cpu_conversions_at_every_boundary(out_dt):
+    # the kernels' float32 -> 16-bit stores (rope's conversions, shared by every CPU kernel)
+    # round as torch does, at every value class; and every 16-bit pattern loads exactly
+    x = _hard_float32_cases()
+    got = scale_cast_cpu(x, 1.0, torch.empty(x.shape, dtype=out_dt))
+    want = x.to(out_dt)
+    assert ((got == want) | (got.isnan() & want.isnan())).all()
+    bits = torch.arange(0, 2 ** 16, dtype=torch.int32).to(torch.int16).view(out_dt)
+    back = scale_cast_cpu(bits, 1.0, torch.empty(bits.shape, dtype=out_dt))
+    assert ((back == bits) | (back.isnan() & bits.isnan())).all()
+
+
 def test_cpu_kernel_rejects_other_layouts():
     x = torch.randn(8, 10)[:, :5]
     with pytest.raises(ValueError, match="dense"):
