@@ -68,8 +68,8 @@ import torch
 import fxbackend
 from fxbackend import TensorMeta, services
 from fxbackend.patterns.int8 import (quantize_node_why_not, REGULAR_HADAMARD_GROUPS, check_linear, hadamard_stages,
-                                     WeightState, linear_srcs, packed_nbytes, padded_rows,
-                                     unpack)
+                                     WeightState, linear_node_operands, linear_srcs,
+                                     packed_nbytes, padded_rows, unpack)
 
 from . import _numba
 from . import rope as _rope
@@ -470,14 +470,10 @@ def linear_why_not(node) -> str | None:
     """None when :class:`LinearI8CPU` computes ``node`` (an ``sd.linear_i8.v1`` node), else the
     reason.  Metadata only; never raises."""
     try:
+        s, M, K, N, why = linear_node_operands(node)
+        if why is not None:
+            return why
         p = node.params
-        s = linear_srcs([n.meta for n in node.srcs], p)
-        M, K, N, lead = check_linear(**s, x_kind=p["x_kind"], w_kind=p["w_kind"],
-                                     group=p["group"], m=p["m"], lead=p["lead"])
-        out = node.meta
-        if not isinstance(out, TensorMeta) or out.dtype != torch.float32 or \
-                tuple(out.shape) != tuple(lead) + (N,) or not out.is_contiguous:
-            return "output metadata"
         return _why_not_linear(s["x"], s["w"], s["w_scale"], s["x_scale"], s["bias"],
                                p["x_kind"], p["w_kind"], M, K, N)
     except Exception as exc:  # never raise: decline

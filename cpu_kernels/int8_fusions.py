@@ -75,12 +75,8 @@ from fxbackend import TensorMeta, services
 from fxbackend.patterns.gated_residual import epilogue_layout, epilogue_why_not
 from fxbackend.patterns.int8 import (REGULAR_HADAMARD_GROUPS, check_linear, hadamard_stages,
                                      packed_nbytes, padded_rows, unpack)
-from fxbackend.patterns.int8_fusions import (PRE_ACTS, ActQuantizeFusion,
-                                             Int8GatedResidualFusion,
-                                             Int8LinearActQuantizeFusion,
-                                             ModulationQuantizeFusion, RmsNormQuantizeFusion,
-                                             ScaleQuantizeFusion, expand_scale_shift,
-                                             packed_out)
+from fxbackend.patterns.int8_fusions import (PRE_ACTS, expand_scale_shift, packed_out,
+                                             register_int8_fusions)
 from fxbackend.patterns.rmsnorm import rms_norm_out_dtype
 
 from . import _numba
@@ -818,10 +814,5 @@ class PrologueQuantizeCPU:
         _preq_launch(_preq_rows(x, other), x, other, out, act, scale_op, scale, group)
 
 
-_PRE = PrologueQuantizeCPU()
-fxbackend.register_fusion("cpu", Int8GatedResidualFusion(Int8GatedResidualCPU()))
-fxbackend.register_fusion("cpu", Int8LinearActQuantizeFusion(Int8LinearActQuantizeCPU()))
-fxbackend.register_fusion("cpu", ModulationQuantizeFusion(ModulationQuantizeCPU()))
-fxbackend.register_fusion("cpu", RmsNormQuantizeFusion(RmsNormQuantizeCPU()))
-fxbackend.register_fusion("cpu", ActQuantizeFusion(_PRE))
-fxbackend.register_fusion("cpu", ScaleQuantizeFusion(_PRE))
+register_int8_fusions("cpu", Int8GatedResidualCPU(), Int8LinearActQuantizeCPU(),
+                      ModulationQuantizeCPU(), RmsNormQuantizeCPU(), PrologueQuantizeCPU())

@@ -49,8 +49,8 @@ from fxbackend import TensorMeta
 from fxbackend.cuda_kernels.rope import DTYPES, _cdiv, _launch_on, _next_pow2, _warmup_on, \
     lazy_kernel
 from fxbackend.patterns.int8 import (quantize_node_why_not, REGULAR_HADAMARD_GROUPS, WeightState, check_linear,
-                                     hadamard_stages, linear_srcs, packed_nbytes, padded_rows,
-                                     unpack)
+                                     hadamard_stages, linear_node_operands, linear_srcs,
+                                     packed_nbytes, padded_rows, unpack)
 
 __all__ = ["quantize_i8_convrot_triton", "quantize_rows_triton", "epilogue_triton",
            "linear_i8_triton", "linear_why_not", "QuantizeI8ConvRotCUDA", "LinearI8CUDA",
@@ -319,14 +319,11 @@ def linear_why_not(node, any_device: bool = False) -> str | None:
     reason.  Metadata only; never raises.  ``any_device``: skip the device check (the
     interpreter tests)."""
     try:
+        s, M, K, N, why = linear_node_operands(node)
+        if why is not None:
+            return why
         p = node.params
-        s = linear_srcs([n.meta for n in node.srcs], p)
-        M, K, N, lead = check_linear(**s, x_kind=p["x_kind"], w_kind=p["w_kind"],
-                                     group=p["group"], m=p["m"], lead=p["lead"])
         out = node.meta
-        if not isinstance(out, TensorMeta) or out.dtype != torch.float32 or \
-                tuple(out.shape) != tuple(lead) + (N,) or not out.is_contiguous:
-            return "output metadata"
         metas = {k: v for k, v in s.items() if v is not None}
         for name, t in metas.items():
             if not isinstance(t, TensorMeta) or t.is_symbolic:

@@ -64,12 +64,8 @@ from fxbackend.cuda_kernels.rope import (DTYPES, MAX_LEAD_DIMS, _launch_on, _mer
 from fxbackend.patterns.gated_residual import epilogue_why_not
 from fxbackend.patterns.int8 import (REGULAR_HADAMARD_GROUPS, check_linear, hadamard_stages,
                                      linear_srcs, packed_nbytes, padded_rows, unpack)
-from fxbackend.patterns.int8_fusions import (PRE_ACTS, ActQuantizeFusion,
-                                             Int8GatedResidualFusion,
-                                             Int8LinearActQuantizeFusion,
-                                             ModulationQuantizeFusion, RmsNormQuantizeFusion,
-                                             ScaleQuantizeFusion, expand_scale_shift,
-                                             packed_out)
+from fxbackend.patterns.int8_fusions import (PRE_ACTS, expand_scale_shift, packed_out,
+                                             register_int8_fusions)
 from fxbackend.patterns.modulation import NORMS
 from fxbackend.patterns.rmsnorm import rms_norm_out_dtype
 
@@ -923,10 +919,5 @@ class PrologueQuantizeCUDA:
         _preq_launch(x, other, out, act, scale_op, scale, group)
 
 
-_PRE = PrologueQuantizeCUDA()
-fxbackend.register_fusion("cuda", Int8GatedResidualFusion(Int8GatedResidualCUDA()))
-fxbackend.register_fusion("cuda", Int8LinearActQuantizeFusion(Int8LinearActQuantizeCUDA()))
-fxbackend.register_fusion("cuda", ModulationQuantizeFusion(ModulationQuantizeCUDA()))
-fxbackend.register_fusion("cuda", RmsNormQuantizeFusion(RmsNormQuantizeCUDA()))
-fxbackend.register_fusion("cuda", ActQuantizeFusion(_PRE))
-fxbackend.register_fusion("cuda", ScaleQuantizeFusion(_PRE))
+register_int8_fusions("cuda", Int8GatedResidualCUDA(), Int8LinearActQuantizeCUDA(),
+                      ModulationQuantizeCUDA(), RmsNormQuantizeCUDA(), PrologueQuantizeCUDA())

@@ -554,10 +554,7 @@ class Plan:
     def _unread_outputs(self) -> set:
         """Outputs of multi-output native ops without an ``.out`` overload that nobody reads:
         they are computed anyway, but need no storage and no copy."""
-        read: dict[Node, set] = {}
-        for n in self.graph.nodes:
-            if n.op == "getitem":
-                read.setdefault(n.srcs[0], set()).add(n.params["index"])
+        read = self._read_indices()
         keys = set()
         for n, k in self.kernels.items():
             if k is registry.NATIVE and isinstance(self.metas[n], tuple) and n.view_of is None \
@@ -565,6 +562,14 @@ class Plan:
                 keys.update((n.id, i) for i in range(len(self.metas[n]))
                             if i not in read.get(n, ()))
         return keys
+
+    def _read_indices(self) -> dict:
+        """``{multi-output node: indices some getitem reads}``."""
+        read: dict[Node, set] = {}
+        for n in self.graph.nodes:
+            if n.op == "getitem":
+                read.setdefault(n.srcs[0], set()).add(n.params["index"])
+        return read
 
     def _bound_results(self) -> set:
         """Native compute steps whose op has no ``.out`` overload (attention, ``arange``, ...).
@@ -716,10 +721,7 @@ class Plan:
             if n.view_of is not None:
                 hold(n, f"v{n.id}")
 
-        read_index: dict[Node, set] = {}
-        for n in g.nodes:
-            if n.op == "getitem":
-                read_index.setdefault(n.srcs[0], set()).add(n.params["index"])
+        read_index = self._read_indices()
 
         def emit(n: Node) -> None:
                 if n.is_input:

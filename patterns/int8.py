@@ -123,6 +123,7 @@ __all__ = ["REGULAR_HADAMARD_GROUPS", "MAX_K", "QMAX", "X_KINDS", "W_KINDS", "ha
            "hadamard_stages", "rotate_reference", "quantize_rows_reference", "packed_nbytes",
            "padded_rows", "pack", "unpack", "quantize_i8_convrot_reference",
            "quantize_weight_i8_reference", "int_dot", "linear_i8_reference", "check_linear",
+           "linear_node_operands",
            "linear_srcs", "WeightState", "QuantizeI8ConvRot", "LinearI8", "Int8LibraryOps",
            "quantize_i8_convrot", "linear_i8"]
 
@@ -501,6 +502,21 @@ def linear_srcs(srcs: Sequence, attrs: dict) -> dict:
                          f"sources are ({', '.join(names)}), got {len(srcs)} sources")
     got = dict(zip(names, srcs))
     return {k: got.get(k) for k in ("x", "w", "w_scale", "x_scale", "bias")}
+
+
+def linear_node_operands(node) -> tuple[dict, int, int, int, str | None]:
+    """``(operand metadata by name, M, K, N, why)`` of an ``sd.linear_i8.v1`` node, checked by
+    :func:`check_linear`; ``why`` is "output metadata" when the node's output is not the
+    contiguous float32 ``[*lead, N]`` it must be (else None).  Raises what ``check_linear``
+    raises (the kernels' ``why_not`` turn it into a reason)."""
+    p = node.params
+    s = linear_srcs([n.meta for n in node.srcs], p)
+    M, K, N, lead = check_linear(**s, x_kind=p["x_kind"], w_kind=p["w_kind"], group=p["group"],
+                                 m=p["m"], lead=p["lead"])
+    out = node.meta
+    ok = isinstance(out, TensorMeta) and out.dtype == torch.float32 and \
+        tuple(out.shape) == tuple(lead) + (N,) and out.is_contiguous
+    return s, M, K, N, None if ok else "output metadata"
 
 
 # -- the ops ------------------------------------------------------------------------------------

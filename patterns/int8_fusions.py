@@ -87,7 +87,8 @@ from .rmsnorm import RmsNorm, rms_norm_reference
 __all__ = ["QUANTIZE", "LINEAR_I8", "PRE_ACTS", "Int8GatedResidualFusion",
            "Int8LinearActQuantizeFusion", "int8_linear_act_quantize_reference",
            "ModulationQuantizeFusion", "RmsNormQuantizeFusion", "ActQuantizeFusion",
-           "ScaleQuantizeFusion", "int8_gated_residual_reference", "packed_out",
+           "ScaleQuantizeFusion", "register_int8_fusions", "int8_gated_residual_reference",
+           "packed_out",
            "expand_scale_shift", "modulation_quantize_reference", "rms_norm_quantize_reference",
            "act_quantize_reference", "prologue_reference", "ReferenceQuantizeImpl",
            "row_view_chain"]
@@ -1053,3 +1054,15 @@ class ReferenceQuantizeImpl:
             y = prologue_reference(args[0], act=kw["act"], other=args[1],
                                    scale_op=kw["scale_op"], scale=kw["scale"])
         out.copy_(quantize_i8_convrot_reference(y, kw["group"]))
+
+
+def register_int8_fusions(device: str, gated_residual, linear_act_quantize, modulation_quantize,
+                          rms_norm_quantize, prologue_quantize) -> None:
+    """Register this file's six rules for ``device`` with that device's implementation objects
+    (``prologue_quantize`` serves both ``act_quantize`` and ``scale_quantize``)."""
+    fxbackend.register_fusion(device, Int8GatedResidualFusion(gated_residual))
+    fxbackend.register_fusion(device, Int8LinearActQuantizeFusion(linear_act_quantize))
+    fxbackend.register_fusion(device, ModulationQuantizeFusion(modulation_quantize))
+    fxbackend.register_fusion(device, RmsNormQuantizeFusion(rms_norm_quantize))
+    fxbackend.register_fusion(device, ActQuantizeFusion(prologue_quantize))
+    fxbackend.register_fusion(device, ScaleQuantizeFusion(prologue_quantize))

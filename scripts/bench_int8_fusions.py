@@ -97,19 +97,27 @@ def _packed(m, k):
     return torch.empty(packed_nbytes(m, k), dtype=torch.int8)
 
 
-def _gr_setup(cfg, args, g) -> dict:
-    """The gated residual: GEMM operands already quantized (both sides run the same GEMM)."""
-    from fxbackend.cpu_kernels import int8 as i8
-    from fxbackend.cpu_kernels import int8_fusions as f
+def _linear_operands(k: int, n: int, args, g) -> tuple:
+    """``(m, x, w, b, wq, ws, qx, xs)``: a float linear's operands at ``min(rows, TOKENS)``
+    rows and their int8 forms (the weight per output channel, x rotated and per row at
+    ``--group``)."""
     from fxbackend.patterns.int8 import (quantize_i8_convrot_reference,
                                          quantize_weight_i8_reference, unpack)
-    _, k, n, variant, _ = cfg
     m = min(args.rows, TOKENS)
     x = torch.randn(m, k, generator=g)
     w = torch.randn(n, k, generator=g) * k ** -0.5
     b = torch.randn(n, generator=g) * 0.1
     wq, ws = quantize_weight_i8_reference(w, args.group)
     qx, xs = unpack(quantize_i8_convrot_reference(x, args.group), m, k)
+    return m, x, w, b, wq, ws, qx, xs
+
+
+def _gr_setup(cfg, args, g) -> dict:
+    """The gated residual: GEMM operands already quantized (both sides run the same GEMM)."""
+    from fxbackend.cpu_kernels import int8 as i8
+    from fxbackend.cpu_kernels import int8_fusions as f
+    _, k, n, variant, _ = cfg
+    m, x, w, b, wq, ws, qx, xs = _linear_operands(k, n, args, g)
     gate = torch.randn(1, 6 * n, generator=g)[:, 2 * n:3 * n].unsqueeze(1)
     res = torch.randn(1, m, n, generator=g)
     acc = torch.empty(m, n, dtype=torch.int32)
@@ -166,15 +174,8 @@ def _lactq_setup(cfg, args, g) -> dict:
     """linear_i8 -> GELU(tanh) -> quantize: one step vs the two fused steps it replaces."""
     from fxbackend.cpu_kernels import int8 as i8
     from fxbackend.cpu_kernels import int8_fusions as f
-    from fxbackend.patterns.int8 import (quantize_i8_convrot_reference,
-                                         quantize_weight_i8_reference, unpack)
     _, k, n, act, _ = cfg
-    m = min(args.rows, TOKENS)
-    x = torch.randn(m, k, generator=g)
-    w = torch.randn(n, k, generator=g) * k ** -0.5
-    b = torch.randn(n, generator=g) * 0.1
-    wq, ws = quantize_weight_i8_reference(w, args.group)
-    qx, xs = unpack(quantize_i8_convrot_reference(x, args.group), m, k)
+    m, x, w, b, wq, ws, qx, xs = _linear_operands(k, n, args, g)
     acc = torch.empty(m, n, dtype=torch.int32)
     y = torch.empty(m, n)
     q_f, q_u = _packed(m, n), _packed(m, n)
