@@ -88,6 +88,7 @@ class _Once:
                     self._globals["prange"] = numba.prange
                 self._value = self._build(numba)
                 self._done = True
+        _start_runtime()
         return self._value
 
 
@@ -133,14 +134,41 @@ prange = range  # swapped for numba.prange by ``_probe``'s getter, as in every k
 _probe = once(globals(), lambda numba: njit(_probe_kernel))
 
 
+_runtime_started = False
+
+
+def _start_runtime() -> None:
+    """Start numba's parallel runtime once, keeping torch's intra-op thread count.
+
+    The runtime starts on the first parallel launch.  With the ``omp`` threading layer it
+    shares the process's OpenMP runtime with torch, and its start sets that runtime's thread
+    count to ``NUMBA_NUM_THREADS``: a process that had called ``torch.set_num_threads(1)`` ran
+    every later torch op on all cores.  Every kernel getter (:func:`once`) calls this before
+    returning its kernels, so no kernel of ours launches first."""
+    global _runtime_started
+    if _runtime_started:
+        return
+    import numpy as np
+    import torch
+    with _lock:
+        if _runtime_started:
+            return
+        _runtime_started = True  # before the probe: its own getter calls back here
+        keep = torch.get_num_threads()
+        try:
+            _probe()(np.zeros(1, np.float32))
+        finally:
+            if torch.get_num_threads() != keep:
+                torch.set_num_threads(keep)
+
+
 def warm_up() -> None:
     """Pay numba's one-time start-up in this process: its import (about 0.15 s here) and the
     set-up of its JIT and parallel runtime on the first kernel it loads (about 0.17 s), by
     loading (or, with a cold cache, compiling once) a tiny parallel kernel with the options of
-    every kernel.  Registered as the CPU warm-up of ``fxbackend.warm_up``."""
-    import numpy as np
-    with _lock:
-        _probe()(np.zeros(1, np.float32))
+    every kernel; torch's thread count is kept (:func:`_start_runtime`).  Registered as the CPU
+    warm-up of ``fxbackend.warm_up``."""
+    _start_runtime()
 
 
 def concurrency_blocker() -> str | None:

@@ -235,3 +235,37 @@ def test_cpu_warm_up_starts_numba():
     n = len(probe.signatures)
     fxbackend.warm_up("cpu")
     assert len(probe.signatures) == n == 1  # idempotent: nothing compiles again
+
+
+_THREADS_SCRIPT = r"""
+import sys, torch
+torch.set_num_threads(1)
+import fxbackend
+
+seen = [torch.get_num_threads()]
+if sys.argv[1] == "warm_up":
+    fxbackend.warm_up("cpu")
+else:  # a compiled call whose first numba kernel starts the parallel runtime
+    x = torch.randn(8, 64)
+    w = torch.randn(64)
+    g = torch.compile(lambda x: torch.nn.functional.rms_norm(x, (64,), w, 1e-6),
+                      backend="fxbackend")
+    g(x)
+seen.append(torch.get_num_threads())
+print(seen)
+"""
+
+
+@pytest.mark.parametrize("how", ["warm_up", "compiled_call"])
+def test_numba_runtime_start_keeps_torch_threads(how):
+    # numba's omp layer shares the process's OpenMP runtime with torch; its start used to set
+    # the thread count to NUMBA_NUM_THREADS, so torch.set_num_threads(1) was silently undone.
+    # A fresh process: the runtime starts once per process.
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, NUMBA_NUM_THREADS="2")
+    proc = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT, how], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[1, 1]"
