@@ -10,7 +10,8 @@ plan's concrete graph and never change a result, only where values live.
    contiguous ``x`` along ``d`` in order *is* ``x``; its readers read ``x`` (Flux splits the
    joint token stream at the end of a single-stream block and concatenates it again at the start
    of the next).  Likewise :func:`elide_identity_clones`: a ``clone`` of a value that already
-   has the clone's strides (``aten.rms_norm``'s decomposition ends in one).
+   has the clone's strides (``aten.rms_norm``'s decomposition ends in one), or of an
+   elementwise result read by nothing else, which then takes the clone's strides itself.
 2. :func:`plan_concat`: a part whose storage can be a slice of the concatenation's buffer gets
    that slice as its storage (a memory-plan *alias*: ``{part's buffer key: (cat's buffer key,
    byte offset)}``, see :func:`fxbackend.memory.plan_memory`), so its producer writes the
@@ -46,7 +47,7 @@ from typing import Any, Callable
 
 from .ir import Graph, Node, TensorMeta, node_deps, storage_root
 
-__all__ = ["CAT_OP", "ConcatPlan", "elide_identity_cats", "elide_identity_clones", "plan_concat"]
+__all__ = ["CAT_OP", "POINTWISE_OPS", "ConcatPlan", "elide_identity_cats", "elide_identity_clones", "plan_concat"]
 
 CAT_OP = "aten.cat.default"
 _SLICE_OP = "aten.slice.Tensor"
@@ -152,25 +153,58 @@ def elide_identity_cats(graph: Graph, metas: Callable[[Node], Any]) -> int:
     return done
 
 
-def elide_identity_clones(graph: Graph, metas: Callable[[Node], Any]) -> int:
-    """Make the readers of every ``clone`` whose source already has the clone's layout read the
-    source (a functional graph's clone of a value nobody writes in place is that value).
-    Clones handed back to the caller stay.  Returns how many."""
+#: elementwise ATen ops whose ``.out`` form writes any output strides with the same values: a
+#: clone of such a result, read by nothing else, can become the op's own output layout
+POINTWISE_OPS = frozenset(
+    f"aten.{name}" for name in (
+        "add.Tensor", "add.Scalar", "sub.Tensor", "sub.Scalar", "mul.Tensor", "mul.Scalar",
+        "div.Tensor", "div.Scalar", "neg.default", "exp.default", "sigmoid.default",
+        "tanh.default", "silu.default", "gelu.default", "relu.default", "rsqrt.default",
+        "sqrt.default", "pow.Tensor_Scalar", "where.self", "clamp.default"))
+
+
+def elide_identity_clones(graph: Graph, metas: Callable[[Node], Any],
+                          set_meta: Callable[[Node, Any], None] | None = None) -> int:
+    """Remove clones that copy for nothing; returns how many.
+
+    - A ``clone`` whose source already has the clone's layout: its readers read the source (a
+      functional graph's clone of a value nobody writes in place is that value).
+    - With ``set_meta``: a ``clone`` of the result of an elementwise op (:data:`POINTWISE_OPS`)
+      that nothing else reads: the op writes the clone's layout itself (``set_meta(op node,
+      clone's metadata)``) and the clone's readers read it.  SD3's and PixArt's patch embedding
+      add the position embedding to a transposed convolution output, whose layout the sum
+      takes, and then copy the sum into contiguous rows: the sum now writes the rows.
+
+    Clones handed back to the caller stay, as do clones of values written in place."""
     from .fusion import _replace_uses
     written = _written_roots(graph)
     outputs = {o for o in graph.outputs if isinstance(o, Node)}
+    readers: dict[Node, int] = {}
+    for n in graph.nodes:
+        for d in set(node_deps(n)):
+            readers[d] = readers.get(d, 0) + 1
+    for o in outputs:
+        readers[o] = readers.get(o, 0) + 1
     done = 0
     for c in list(graph.nodes):
         if c.op != "aten.clone.default" or c in outputs or len(c.srcs) != 1:
             continue
-        m, xm = metas(c), metas(c.srcs[0])
+        x = c.srcs[0]
+        m, xm = metas(c), metas(x)
         if not isinstance(m, TensorMeta) or not isinstance(xm, TensorMeta) or m.is_symbolic \
                 or xm.is_symbolic or xm.shape != m.shape or xm.dtype != m.dtype \
-                or xm.device != m.device or storage_root(c.srcs[0]) in written \
-                or (c, None) in written \
-                or any(n > 1 and a != b for n, a, b in zip(m.shape, m.stride, xm.stride)):
+                or xm.device != m.device or storage_root(x) in written \
+                or (c, None) in written:
             continue
-        _replace_uses(graph, c, c.srcs[0], graph.nodes.index(c) + 1)
+        if not any(n > 1 and a != b for n, a, b in zip(m.shape, m.stride, xm.stride)):
+            pass  # already the clone's layout
+        elif (set_meta is not None and x.op in POINTWISE_OPS and readers.get(x) == 1
+              and storage_root(x) == (x, None)
+              and m.storage_offset == 0):
+            set_meta(x, m)
+        else:
+            continue
+        _replace_uses(graph, c, x, graph.nodes.index(c) + 1)
         done += 1
     return done
 

@@ -386,8 +386,10 @@ class Plan:
         #: cats of slices that only re-assembled one tensor (their readers read it instead)
         self.identity_cats = (elide_identity_cats(self.graph, self.metas.__getitem__)
                               if options.concat_in_place else 0)
-        #: clones of values that already had the clone's layout (their readers read the value)
-        self.identity_clones = (elide_identity_clones(self.graph, self.metas.__getitem__)
+        #: clones of values that already had the clone's layout (their readers read the value),
+        #: or of elementwise results that now write the clone's layout themselves
+        self.identity_clones = (elide_identity_clones(self.graph, self.metas.__getitem__,
+                                                      self._set_meta)
                                 if options.concat_in_place else 0)
         if self.rewrites or self.identity_cats or self.identity_clones:
             from .pipeline import eliminate_dead_nodes
@@ -1005,6 +1007,11 @@ class Plan:
             if isinstance(m, TensorMeta):
                 return m.device
         return torch.device("cpu")
+
+    def _set_meta(self, n: Node, meta: TensorMeta) -> None:
+        """Give ``n`` other metadata (a plan-time layout decision) in the node and the plan."""
+        n.meta = meta
+        self.metas[n] = meta
 
     def _device_of(self, n: Node) -> torch.device:
         m = self.metas.get(n)

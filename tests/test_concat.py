@@ -386,3 +386,50 @@ def test_property_on_off_identical(spec):
             cg = compile_fx_graph(gm, parse_options({"concat_in_place": on}))
             assert_same(cg(x), want)
             assert_same(cg(x + 1), fn(x + 1))  # the arena is reused: nothing stale
+
+
+def test_clone_of_an_elementwise_result_becomes_its_layout():
+    # SD3's patch embedding: conv output viewed as [B, S, C] (transposed strides) + position
+    # embedding, then a contiguous clone.  The add writes the contiguous rows itself.
+    g = Graph()
+    x = _input(g, tm(1, 4, 6))
+    t = _op(g, "aten.transpose.int", [x], TensorMeta((1, 6, 4), (24, 1, 6), torch.float32, CPU),
+            view_of=x)
+    pos = _input(g, tm(1, 6, 4))
+    s = _op(g, "aten.add.Tensor", [t, pos], TensorMeta((1, 6, 4), (24, 1, 6), torch.float32, CPU))
+    c = _op(g, "aten.clone.default", [s], tm(1, 6, 4))
+    out = _op(g, "aten.neg.default", [c], tm(1, 6, 4))
+    g.outputs = [out]
+    metas = {n: n.meta for n in g.nodes}
+    assert elide_identity_clones(g, metas.__getitem__) == 0, "only with set_meta"
+    assert elide_identity_clones(g, metas.__getitem__, metas.__setitem__) == 1
+    assert out.srcs == [s] and metas[s].stride == (24, 4, 1)
+
+    # not when something else reads the sum, or for an op that is not elementwise
+    g = Graph()
+    x = _input(g, tm(1, 4, 6))
+    t = _op(g, "aten.transpose.int", [x], TensorMeta((1, 6, 4), (24, 1, 6), torch.float32, CPU),
+            view_of=x)
+    s = _op(g, "aten.exp.default", [t], TensorMeta((1, 6, 4), (24, 1, 6), torch.float32, CPU))
+    c = _op(g, "aten.clone.default", [s], tm(1, 6, 4))
+    mm = _op(g, "aten.bmm.default", [t, t], TensorMeta((1, 6, 6), (36, 1, 6), torch.float32, CPU))
+    c2 = _op(g, "aten.clone.default", [mm], tm(1, 6, 6))
+    g.outputs = [c, s, c2]
+    metas = {n: n.meta for n in g.nodes}
+    assert elide_identity_clones(g, metas.__getitem__, metas.__setitem__) == 0
+
+
+def test_patch_embedding_sum_writes_contiguous_rows(no_grad):
+    def fn(img, w, b, pos):
+        y = torch.nn.functional.conv2d(img, w, b, stride=2).flatten(2).transpose(1, 2)
+        return (y + pos).contiguous() * 3
+
+    args = (torch.randn(1, 4, 8, 8), torch.randn(16, 4, 2, 2), torch.randn(16),
+            torch.randn(1, 16, 16))
+    fxbackend.reset_stats()
+    on, off = _both(fn, *args)
+    plan = on.graph.plan_for(list(args))
+    add = [n for n in plan.graph.nodes if n.op == "aten.add.Tensor"]
+    assert len(add) == 1 and plan.metas[add[0]].stride == (256, 16, 1)
+    assert not any(n.op == "aten.clone.default" for n in plan.graph.nodes)
+    assert_same(on.out, off.out)
