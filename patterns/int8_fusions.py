@@ -81,7 +81,8 @@ from .gated_residual import (GatedResidualFusion, _broadcasts, _is_number, _is_s
 from .int8 import (REGULAR_HADAMARD_GROUPS, WeightState, check_linear, linear_i8_reference,
                    linear_srcs, packed_nbytes, padded_rows, quantize_i8_convrot_reference,
                    unpack)
-from .modulation import ModulationFusion, _reshaped, expanded_meta, modulation_reference
+from .modulation import (_LAYER_NORM, ModulationFusion, _reshaped, _scalar, expanded_meta,
+                         modulation_reference)
 from .rmsnorm import RmsNorm, rms_norm_reference
 
 __all__ = ["QUANTIZE", "LINEAR_I8", "PRE_ACTS", "Int8GatedResidualFusion",
@@ -654,6 +655,7 @@ class ModulationQuantizeFusion(ModulationFusion):
 
         # native_layer_norm -> getitem 0 -> [add(s, c) -> views] -> mul -> add
         #   | sd.rms_norm.v1(x) -> [add(s, c) -> views] -> mul -> add
+        #   | native_layer_norm(x, [C], w, b) -> getitem 0      (scale = w, shift = b, no c)
         #   -> views* -> quantize  =>  fused.modulation_quantize (the packed int8 rows directly)
 
     The adaLN chain of ``modulation`` (this class extends
@@ -683,6 +685,8 @@ class ModulationQuantizeFusion(ModulationFusion):
     def _match_at(self, nodes, i):
         ch = super()._match_at(nodes, i)
         if ch is None:
+            ch = self._affine_at(nodes, i)
+        if ch is None:
             return None
         k = i + len(ch["nodes"])
         views, quant = row_view_chain(nodes, k, ch["add"])
@@ -690,6 +694,24 @@ class ModulationQuantizeFusion(ModulationFusion):
             return None
         return dict(ch, views=views, quant=quant, group=quant.params.get("group"),
                     nodes=nodes[i:k + len(views) + 1])
+
+    @staticmethod
+    def _affine_at(nodes, i):
+        """A LayerNorm with weight and bias (``native_layer_norm(x, [C], w, b)`` -> getitem 0,
+        a UNet transformer block's norms): the chain with ``scale = w``, ``shift = b`` and no
+        ``c``, in the same dict form (``mul`` and ``add`` are the getitem)."""
+        norm = nodes[i]
+        if norm.op != _LAYER_NORM or len(norm.srcs) != 3 or i + 1 >= len(nodes):
+            return None
+        x, w, b = norm.srcs
+        shape, eps = norm.params.get("normalized_shape"), _scalar(norm.params.get("eps"))
+        n = nodes[i + 1]
+        if not isinstance(x.meta, TensorMeta) or not x.meta.shape or eps is None or \
+                list(shape or []) != [x.meta.shape[-1]] or n.op != "getitem" or \
+                n.srcs != [norm] or n.params.get("index") != 0:
+            return None
+        return dict(norm=norm, kind="layer", eps=float(eps), x=x, n=n, add_c=None, c=None,
+                    s_src=w, s_op=w, mul=n, shift=b, add=n, nodes=nodes[i:i + 2], inner=[])
 
     def _why_not(self, ch) -> str | None:
         why = super()._why_not(ch)

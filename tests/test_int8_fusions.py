@@ -334,8 +334,9 @@ def _triton_cases() -> list:
             ("float32", "layer", 1.0, "chunk", 16, (2, 5, 64)),
             ("bfloat16", "rms", None, "strided_x", 4, (2, 3, 48)),
             ("float16", "layer", None, "chunk", 256, (1, 3, 256)),
-            ("float32", "rms", 1.0, "chunk", 1, (3, 2, 20))]:
-        cases.append(dict(id=f"modq-{dt}-{norm}-{group}", kind="modq", shape=shape, dtype=dt,
+            ("float32", "rms", 1.0, "chunk", 1, (3, 2, 20)),
+            ("float32", "layer", None, "vector", 16, (2, 5, 64))]:  # affine LayerNorm
+        cases.append(dict(id=f"modq-{dt}-{norm}-{group}-{layout}", kind="modq", shape=shape, dtype=dt,
                           norm=norm, add_c=add_c, group=group, layout=layout))
     for dt, w_dt, group, shape in [("float32", "float32", 64, (3, 5, 64)),
                                    ("bfloat16", None, 16, (7, 32)),
@@ -575,6 +576,43 @@ def test_block_fires_each_rule_and_equals_the_plan_without_them(norm):
     assert (fused - plain).abs().max() <= 1e-3 * plain.abs().max()  # the activation's ulps
     with torch.no_grad():
         assert _cos(fused, mod(*args)) > 0.999
+
+
+class _LnProj(nn.Module):
+    """A LayerNorm with weight and bias feeding three projections: a UNet transformer block's
+    norm -> to_q / to_k / to_v."""
+
+    def __init__(self, c=64):
+        super().__init__()
+        self.norm = nn.LayerNorm(c)
+        self.q, self.k, self.v = nn.Linear(c, c, bias=False), nn.Linear(c, c), nn.Linear(c, c)
+        _init(self)
+        with torch.no_grad():  # a weight and bias away from 1 and 0
+            self.norm.weight.copy_(torch.rand(c, generator=_gen(5)) + 0.5)
+            self.norm.bias.copy_(torch.randn(c, generator=_gen(6)))
+
+    def forward(self, x):
+        h = self.norm(x)
+        return self.q(h) + self.k(h) * self.v(h)
+
+
+def test_affine_layer_norm_feeds_the_quantize_step():
+    mod = _LnProj()
+    args = (torch.randn(2, 37, 64, generator=_gen(2)) * 3 + 1,)
+    opts = dict(OPTS, convrot_group=16)
+    fused, fires = _compiled(mod, args, opts)
+    assert fires.get("modulation_quantize") == 1
+    with _without("modulation_quantize"):
+        plain, fires_plain = _compiled(mod, args, opts)
+    assert "modulation_quantize" not in fires_plain
+    # the fused row is (x - mean) * rstd * w + b rounded step by step, ATen's LayerNorm
+    # x * rstd - mean * rstd folded: a few ulp apart before the codes, so a code may move by one
+    assert (fused - plain).abs().max() <= 2e-3 * plain.abs().max()
+    with torch.no_grad():
+        ref = mod(*args)
+    assert _cos(fused, ref) > 0.999 and abs(_cos(fused, ref) - _cos(plain, ref)) < 1e-4
+    text = _explain(mod, args, opts)
+    assert "fused.modulation_quantize" in text
 
 
 def test_modulation_output_read_in_float_is_declined_with_the_reason():
