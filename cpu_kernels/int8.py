@@ -73,7 +73,7 @@ from fxbackend.patterns.int8 import (quantize_node_why_not, REGULAR_HADAMARD_GRO
 
 from . import _numba
 from . import rope as _rope
-from .rope import _NP_OF, _compile_lock, _flat, _load, _set_threads
+from .rope import _NP_OF, _compile_lock, _flat, _load, _set_threads, _store
 
 __all__ = ["quantize_i8_convrot_cpu", "quantize_rows_cpu", "linear_i8_cpu", "compile_kernels",
            "QuantizeI8ConvRotCPU", "LinearI8CPU"]
@@ -250,8 +250,9 @@ def _quantize_kernel(x, q, scales, m, mp, k, nst, inv, chunk):
 
 
 def _epilogue_kernel(acc, out, xs, ws, b, m, n, has_b):
-    """``out = float32(acc) * xs[row] * ws + b`` row by row in parallel; ``acc`` (int32) and
-    ``out`` (float32) may be the same memory."""
+    """``out = float32(acc) * xs[row] * ws + b`` row by row in parallel, rounded once to out's
+    dtype (float32, or 16-bit bits: ``int8_linear_cast``); ``acc`` (int32) and a float32
+    ``out`` may be the same memory."""
     nu = np.uint64(n)
     for row in prange(m):
         r = np.uint64(row)
@@ -260,10 +261,10 @@ def _epilogue_kernel(acc, out, xs, ws, b, m, n, has_b):
         sx = xs[r]
         if has_b:
             for j in range(nu):
-                o[j] = (np.float32(a[j]) * sx) * ws[j] + _load(b, j)
+                _store(o, j, (np.float32(a[j]) * sx) * ws[j] + _load(b, j))
         else:
             for j in range(nu):
-                o[j] = (np.float32(a[j]) * sx) * ws[j]
+                _store(o, j, (np.float32(a[j]) * sx) * ws[j])
 
 
 def _build(numba) -> tuple:
@@ -282,10 +283,12 @@ _jit = _numba.once(globals(), _build, requires=(_rope._register,))
 
 
 def compile_kernels(x_dtype: torch.dtype | None = torch.float32,
-                    bias_dtype: torch.dtype | None = None, epilogue: bool = True) -> None:
+                    bias_dtype: torch.dtype | None = None, epilogue: bool = True,
+                    out_dtype: torch.dtype = torch.float32) -> None:
     """Compile (or load from the disk cache) the quantize kernel for ``x_dtype`` (None: not
-    needed) and the epilogue for ``bias_dtype`` (None: no bias), by calls with no rows on
-    exactly the types a launch passes.  Thread-safe (plans compile nodes in parallel)."""
+    needed) and the epilogue for ``bias_dtype`` (None: no bias) and ``out_dtype``, by calls
+    with no rows on exactly the types a launch passes.  Thread-safe (plans compile nodes in
+    parallel)."""
     quant, epi = _jit()
     with _compile_lock:  # see rope's compile_kernels
         if x_dtype is not None:
@@ -293,7 +296,7 @@ def compile_kernels(x_dtype: torch.dtype | None = torch.float32,
                   0, 0, 4, 1, np.float32(0.5), 1)
         if epilogue:
             b = np.zeros(0, _NP_OF[bias_dtype or torch.float32])
-            epi(np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros(0, np.float32),
+            epi(np.zeros(0, np.int32), np.zeros(0, _NP_OF[out_dtype]), np.zeros(0, np.float32),
                 np.zeros(0, np.float32), b, 0, 4, bias_dtype is not None)
 
 

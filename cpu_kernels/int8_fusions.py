@@ -96,7 +96,7 @@ from .rope import (_NP_OF, _bcast_offsets, _compile_lock, _flat, _load, _set_thr
 __all__ = ["int8_gated_residual_cpu", "int8_linear_act_quantize_cpu", "modulation_quantize_cpu",
            "rms_norm_quantize_cpu", "act_quantize_cpu", "compile_kernels",
            "Int8GatedResidualCPU", "Int8LinearActQuantizeCPU",
-           "ModulationQuantizeCPU", "RmsNormQuantizeCPU", "PrologueQuantizeCPU"]
+           "ModulationQuantizeCPU", "RmsNormQuantizeCPU", "PrologueQuantizeCPU", "Int8LinearCastCPU"]
 
 #: ``numba.prange`` once numba is imported (see ``cpu_kernels/_numba.py``); ``range`` until then
 prange = range
@@ -427,15 +427,20 @@ class Int8GatedResidualCPU:
     def why_not(self, y, gate, residual, out) -> str | None:
         return _why_not_epilogue(y, gate, residual, out)
 
-    def compile(self, linear, y, gate, residual, out, scale_op) -> None:
+    @staticmethod
+    def _compile_linear(linear) -> torch.dtype | None:
+        """Compile the quantize kernels the linear's operands need (a float x, a float weight);
+        returns the bias's dtype (None: no bias)."""
         p = linear.params
         metas = [s.meta for s in linear.srcs]
-        x = metas[0]
         if p["x_kind"] == "float":
-            _i8.compile_kernels(x.dtype, None, epilogue=False)
+            _i8.compile_kernels(metas[0].dtype, None, epilogue=False)
         if p["w_kind"] == "float":
             _i8.compile_kernels(metas[1].dtype, None, epilogue=False)
-        compile_kernels("gr", None if not p.get("has_bias") else metas[-1].dtype)
+        return metas[-1].dtype if p.get("has_bias") else None
+
+    def compile(self, linear, y, gate, residual, out, scale_op) -> None:
+        compile_kernels("gr", self._compile_linear(linear))
 
     def quantize(self, x, group, q, scales, m, mp) -> None:
         quantize_rows_cpu(x, group, q, scales, m, mp)
@@ -507,19 +512,41 @@ class Int8LinearActQuantizeCPU(Int8GatedResidualCPU):
             return f"metadata not understood ({type(exc).__name__}: {exc})"
 
     def compile_act(self, linear, act, group) -> None:
-        p = linear.params
-        metas = [s.meta for s in linear.srcs]
-        if p["x_kind"] == "float":
-            _i8.compile_kernels(metas[0].dtype, None, epilogue=False)
-        if p["w_kind"] == "float":
-            _i8.compile_kernels(metas[1].dtype, None, epilogue=False)
-        compile_kernels("actq", None if not p.get("has_bias") else metas[-1].dtype)
+        compile_kernels("actq", self._compile_linear(linear))
 
     def run_act(self, qx, xs, qw, ws, bias, acc, out, *, act, group) -> None:
         _check_cancelled()
         _gemm(qx, qw, acc)
         _check_cancelled()
         _actq_launch(acc, xs, ws, bias, out, act, group)
+
+
+# -- int8_linear_cast ------------------------------------------------------------------------------
+
+class Int8LinearCastCPU(Int8GatedResidualCPU):
+    """``int8_linear_cast`` on the CPU (interface:
+    ``fxbackend.patterns.int8_fusions.Int8LinearCastFusion``): ``torch._int_mm`` into
+    workspace, then ``sd.linear_i8.v1``'s epilogue (``cpu_kernels/int8.py``) storing the
+    16-bit output; cancellation is checked between the phases."""
+
+    name = "int8_linear_cast_cpu"
+
+    def why_not_cast(self, out) -> str | None:
+        if out.dtype not in (torch.bfloat16, torch.float16):
+            return f"output dtype {out.dtype} (bfloat16 or float16)"
+        if out.device.type != "cpu":
+            return f"the output is on {out.device}"
+        return None
+
+    def compile_cast(self, linear, dtype) -> None:
+        _i8.compile_kernels(None, self._compile_linear(linear), out_dtype=dtype)
+
+    def run_cast(self, qx, xs, qw, ws, bias, acc, out) -> None:
+        _check_cancelled()
+        _gemm(qx, qw, acc)
+        _check_cancelled()
+        m, n = acc.shape
+        _i8._epilogue(acc, out, xs, ws, bias, m, n)
 
 
 # -- the quantize-feeding kernels: launchers -------------------------------------------------------
@@ -815,4 +842,5 @@ class PrologueQuantizeCPU:
 
 
 register_int8_fusions("cpu", Int8GatedResidualCPU(), Int8LinearActQuantizeCPU(),
-                      ModulationQuantizeCPU(), RmsNormQuantizeCPU(), PrologueQuantizeCPU())
+                      ModulationQuantizeCPU(), RmsNormQuantizeCPU(), PrologueQuantizeCPU(),
+                      linear_cast=Int8LinearCastCPU())

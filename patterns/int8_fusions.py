@@ -87,6 +87,7 @@ from .rmsnorm import RmsNorm, rms_norm_reference
 
 __all__ = ["QUANTIZE", "LINEAR_I8", "PRE_ACTS", "Int8GatedResidualFusion",
            "Int8LinearActQuantizeFusion", "int8_linear_act_quantize_reference",
+           "Int8LinearCastFusion",
            "ModulationQuantizeFusion", "RmsNormQuantizeFusion", "ActQuantizeFusion",
            "ScaleQuantizeFusion", "register_int8_fusions", "int8_gated_residual_reference",
            "packed_out",
@@ -526,7 +527,32 @@ def _linear_operands(impl, st: dict, srcs: dict, value: dict, workspace) -> tupl
 
 # -- 1b. int8_linear_act_quantize -----------------------------------------------------------------
 
-class Int8LinearActQuantizeFusion:
+class _Int8LinearRule:
+    """What the rules running an ``sd.linear_i8.v1`` step with its GEMM into workspace share:
+    ``_chain(nodes, i)`` (a dict with ``linear``, ``srcs``, ``nodes``; or None) and ``_why_not``
+    come from each rule."""
+
+    priority = 6
+    rule_name = ""
+
+    def __init__(self, impl) -> None:
+        self.impl = impl
+        self.name = self.rule_name
+
+    def match(self, graph, i: int):
+        return _match_answer(lambda: self._chain(graph.nodes, i), self._why_not)
+
+    def _state(self, node) -> dict:
+        ch = self._chain(node.annotations["fused"], 0)
+        st = _linear_state(ch["linear"], ch["srcs"], acc_in_workspace=True)
+        return dict(st, srcs=ch["srcs"], linear=ch["linear"], chain=ch)
+
+    def prepare(self, node):
+        st = self._state(node)
+        return st, st["ws_bytes"]
+
+
+class Int8LinearActQuantizeFusion(_Int8LinearRule):
     """Fusion rule ``int8_linear_act_quantize``::
 
         # sd.linear_i8 -> views* -> gelu|gelu_tanh|silu|sigmoid -> [clone] -> views* -> quantize
@@ -547,11 +573,7 @@ class Int8LinearActQuantizeFusion:
     out, *, act, group)``: the GEMM into ``acc`` (int32 workspace) and the pass into ``out``.
     """
 
-    priority = 6
-
-    def __init__(self, impl) -> None:
-        self.impl = impl
-        self.name = "int8_linear_act_quantize"
+    rule_name = "int8_linear_act_quantize"
 
     def _chain(self, nodes, i):
         lin = nodes[i]
@@ -578,9 +600,6 @@ class Int8LinearActQuantizeFusion:
         return dict(linear=lin, act=act, value=last, quant=quant,
                     group=quant.params.get("group"), nodes=nodes[i:k + len(views) + 1],
                     srcs=linear_srcs(lin.srcs, lin.params))
-
-    def match(self, graph, i: int):
-        return _match_answer(lambda: self._chain(graph.nodes, i), self._why_not)
 
     def _why_not(self, ch) -> str | None:
         lin, v = ch["linear"].meta, ch["value"].meta
@@ -618,20 +637,14 @@ class Int8LinearActQuantizeFusion:
             return
 
     def _state(self, node) -> dict:
-        ch = self._chain(node.annotations["fused"], 0)
-        st = _linear_state(ch["linear"], ch["srcs"], acc_in_workspace=True)
-        return dict(st, srcs=ch["srcs"], act=ch["act"], qgroup=ch["group"],
-                    linear=ch["linear"])
+        st = super()._state(node)
+        return dict(st, act=st["chain"]["act"], qgroup=st["chain"]["group"])
 
     def compile(self, node) -> None:
         comp = getattr(self.impl, "compile_act", None)
         if comp is not None:
             st = self._state(node)
             comp(st["linear"], st["act"], st["qgroup"])
-
-    def prepare(self, node):
-        st = self._state(node)
-        return st, st["ws_bytes"]
 
     def execute(self, ctx, node, state, inputs, out, workspace) -> None:
         st = state
@@ -646,6 +659,71 @@ def _is_clone_of(n, prev) -> bool:
     return n.op == "aten.clone.default" and n.srcs == [prev] and m is not None and \
         pm is not None and n.view_of is None and n.inplace_of is None and \
         tuple(m.shape) == tuple(pm.shape) and m.dtype == pm.dtype
+
+
+# -- 1c. int8_linear_cast -------------------------------------------------------------------------
+
+#: ``_to_copy`` keyword arguments a cast may carry (with these values) and still be a plain cast
+_CAST_DEFAULTS = {"layout": (None, torch.strided), "pin_memory": (None, False),
+                  "non_blocking": (None, False),
+                  "memory_format": (None, torch.preserve_format, torch.contiguous_format)}
+
+
+class Int8LinearCastFusion(_Int8LinearRule):
+    """Fusion rule ``int8_linear_cast``::
+
+        # sd.linear_i8 -> _to_copy {dtype: bfloat16 | float16}
+        #   =>  fused.int8_linear_cast: the integer GEMM into workspace, then the epilogue
+        #       writes the 16-bit output
+
+    A 16-bit linear under ``quantize="w8a8"`` (``patterns/quantize.py``) is the float32
+    ``sd.linear_i8.v1`` step followed by a cast to the layer's dtype; fused, the epilogue rounds
+    each float32 value once into the 16-bit output, so the float32 [M, N] result is never
+    written and read back.  Bit-exact to the pair.  Priority 6 (the other rules starting at
+    ``sd.linear_i8.v1`` read its float32 output through views, not a cast).
+
+    ``impl``: as :class:`Int8GatedResidualFusion`'s for ``name``, ``why_not_linear``,
+    ``quantize``; ``why_not_cast(out)`` (the cast's metadata; never raises); optional
+    ``compile_cast(linear, dtype)``; ``run_cast(qx, xs, qw, ws, bias, acc, out)``: the GEMM into
+    ``acc`` (int32 workspace) and the epilogue into ``out``.  A device registers this rule
+    only when its implementation has these (``register_int8_fusions``'s ``linear_cast``).
+    """
+
+    rule_name = "int8_linear_cast"
+
+    def _chain(self, nodes, i):
+        lin = nodes[i]
+        if not Int8GatedResidualFusion._starts(lin) or i + 1 >= len(nodes):
+            return None
+        cast = nodes[i + 1]
+        if cast.op != "aten._to_copy.default" or cast.srcs != [lin]:
+            return None
+        return dict(linear=lin, cast=cast, nodes=nodes[i:i + 2],
+                    srcs=linear_srcs(lin.srcs, lin.params))
+
+    def _why_not(self, ch) -> str | None:
+        lin, c = ch["linear"].meta, ch["cast"].meta
+        for key, value in ch["cast"].params.items():
+            if key != "dtype" and value not in _CAST_DEFAULTS.get(key, (None,)):
+                return f"the cast has {key}={value!r}"
+        if not isinstance(c, TensorMeta) or c.is_symbolic or \
+                c.dtype not in (torch.bfloat16, torch.float16):
+            return "the cast is not to a concrete bfloat16/float16 tensor"
+        if tuple(c.shape) != tuple(lin.shape) or not c.is_contiguous or c.device != lin.device:
+            return f"the cast's output {c.short()} is not the linear's rows, contiguous"
+        why = self.impl.why_not_linear(ch["linear"]) or self.impl.why_not_cast(c)
+        return None if why is None else f"{self.impl.name}: {why}"
+
+    def compile(self, node) -> None:
+        comp = getattr(self.impl, "compile_cast", None)
+        if comp is not None:
+            comp(self._state(node)["linear"], node.meta.dtype)
+
+    def execute(self, ctx, node, state, inputs, out, workspace) -> None:
+        st = state
+        value = dict(zip(node.srcs, inputs))
+        qx, xs, qw, ws, bias = _linear_operands(self.impl, st, st["srcs"], value, workspace)
+        self.impl.run_cast(qx, xs, qw, ws, bias, _acc_view(st, workspace), out)
 
 
 # -- 2. modulation_quantize -----------------------------------------------------------------------
@@ -1079,9 +1157,12 @@ class ReferenceQuantizeImpl:
 
 
 def register_int8_fusions(device: str, gated_residual, linear_act_quantize, modulation_quantize,
-                          rms_norm_quantize, prologue_quantize) -> None:
-    """Register this file's six rules for ``device`` with that device's implementation objects
-    (``prologue_quantize`` serves both ``act_quantize`` and ``scale_quantize``)."""
+                          rms_norm_quantize, prologue_quantize, linear_cast=None) -> None:
+    """Register this file's rules for ``device`` with that device's implementation objects
+    (``prologue_quantize`` serves both ``act_quantize`` and ``scale_quantize``;
+    ``int8_linear_cast`` only when ``linear_cast`` is given)."""
+    if linear_cast is not None:
+        fxbackend.register_fusion(device, Int8LinearCastFusion(linear_cast))
     fxbackend.register_fusion(device, Int8GatedResidualFusion(gated_residual))
     fxbackend.register_fusion(device, Int8LinearActQuantizeFusion(linear_act_quantize))
     fxbackend.register_fusion(device, ModulationQuantizeFusion(modulation_quantize))

@@ -3,7 +3,7 @@ eligible linear layers of a graph into INT8 W8A8 steps (``sd.linear_i8.v1``, ``p
 
 The chain, as ATen gives a ``torch.nn.Linear`` on 2-D rows::
 
-    wt  = aten.t.default(W)                      W a float32 weight graph input [N, K]
+    wt  = aten.t.default(W)                      W a float weight graph input [N, K]
     y   = aten.addmm.default(bias, x, wt)        bias [N], beta = alpha = 1
         | aten.mm.default(x, wt)                 (no bias)
 
@@ -12,6 +12,7 @@ becomes (rule ``quantize_w8a8``; a rule that runs only when the option asks for 
     # addmm(bias, x, t(W)) | mm(x, t(W))
     #   =>  q = sd.quantize_i8_convrot.v1(x) {group}          one per x, shared by its linears
     #       sd.linear_i8.v1(q, W[, bias]) {x_kind=packed, w_kind=float, group, m=M, lead=(M,)}
+    #       [-> _to_copy {dtype}]                             a bfloat16/float16 layer
 
 x is rotated (ConvRot, ``convrot_group`` features) and quantized per row once, however many
 linears read it (Q, K and V projections share one), and each linear runs the integer GEMM and
@@ -21,9 +22,12 @@ in place (its version counter moves: a LoRA swap, ``update_weights``), so the we
 float graph input and nothing else in the plan changes.  The explicit quantize step is also
 what the fusions feeding the quantizer (a norm, an activation before it) claim.
 
-Eligible: W a weight input (``is_weight``: a parameter or buffer, not an activation), 2-D float32
-on the same device as x, x a 2-D float32 [M, K], K and N multiples of 4, a 1-D bias [N] of
-float32, addmm's beta and alpha 1.  The group of a layer is the largest ConvRot group up to
+Eligible: W a weight input (``is_weight``: a parameter or buffer, not an activation), 2-D on the
+same device as x, x a 2-D [M, K], x, W and the bias (1-D [N]) all float32, all bfloat16 or all
+float16, K and N multiples of 4, addmm's beta and alpha 1.  A 16-bit layer quantizes its 16-bit
+x and W (the kernels read them as they are) and its float32 result is cast to the layer's dtype
+(``_to_copy``): one rounding, as a 16-bit GEMM rounds its float32 accumulator; the CPU fuses
+the cast into the linear's epilogue (``int8_linear_cast``).  The group of a layer is the largest ConvRot group up to
 ``convrot_group`` that divides its K (:func:`group_for`: Flux's K = 3072 takes 256, a K of 384
 takes 64), so every eligible layer is rotated as much as its width allows.  Every other linear stays in float
 and the plan's report says why (``rewrite quantize_w8a8 declined on %n: ...``).
@@ -40,6 +44,8 @@ __all__ = ["QuantizeW8A8", "linear_parts", "why_not_quantize", "group_for"]
 
 _LINEAR_I8 = "sd.linear_i8.v1"
 _QUANTIZE = "sd.quantize_i8_convrot.v1"
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_TO_COPY = torch.ops.aten._to_copy.default
 
 
 def linear_parts(n: Node) -> tuple[Node, Node, Node | None] | None:
@@ -75,8 +81,8 @@ def why_not_quantize(n: Node, x: Node, w: Node, bias: Node | None) -> str | None
             return "operands are not tensors"
         if xm.is_symbolic or wm.is_symbolic:
             return "symbolic shapes"
-        if xm.dtype != torch.float32 or wm.dtype != torch.float32:
-            return f"dtype {xm.dtype}/{wm.dtype} (float32 only)"
+        if xm.dtype not in _DTYPES or wm.dtype != xm.dtype:
+            return f"dtype {xm.dtype}/{wm.dtype} (one of float32, bfloat16, float16 for both)"
         if xm.device != wm.device:
             return f"x on {xm.device}, weight on {wm.device}"
         if len(xm.shape) != 2 or len(wm.shape) != 2:
@@ -89,8 +95,8 @@ def why_not_quantize(n: Node, x: Node, w: Node, bias: Node | None) -> str | None
         if bias is not None:
             bm = bias.meta
             if not isinstance(bm, TensorMeta) or tuple(bm.shape) != (nn,) \
-                    or bm.dtype != torch.float32 or bm.device != xm.device:
-                return "bias is not a float32 [N] vector on x's device"
+                    or bm.dtype != xm.dtype or bm.device != xm.device:
+                return f"bias is not a {xm.dtype} [N] vector on x's device"
         if n.op == "aten.addmm.default" and (n.params.get("beta", 1) != 1
                                              or n.params.get("alpha", 1) != 1):
             return "addmm with beta or alpha other than 1"
@@ -148,6 +154,13 @@ class QuantizeW8A8:
                                       {"x_kind": "packed", "w_kind": "float", "group": g,
                                        "m": m, "lead": (m,), "has_bias": bias is not None},
                                       after=n)
+            if x.meta.dtype != torch.float32:  # the layer's own dtype: one rounding of the
+                # float32 result, as a 16-bit GEMM rounds its float32 accumulator
+                cast = graph.new_node("aten._to_copy.default", [new],
+                                      {"dtype": x.meta.dtype}, n.meta, target=_TO_COPY,
+                                      tensor_layout=(("self", 1),))
+                graph.insert(graph.nodes.index(new) + 1, cast)
+                new = cast
             fxbackend.replace_uses(graph, n, new)
             done += 1
         return done

@@ -42,7 +42,8 @@ from fxbackend.cpu_kernels.rmsnorm import rms_norm_cpu
 from fxbackend.cuda_kernels import int8_fusions as cuda_f
 from fxbackend.patterns.int8 import (quantize_i8_convrot_reference,
                                      quantize_weight_i8_reference, unpack)
-from fxbackend.patterns.int8_fusions import (ModulationQuantizeFusion, ReferenceQuantizeImpl,
+from fxbackend.patterns.int8_fusions import (Int8LinearCastFusion, ModulationQuantizeFusion,
+                                             ReferenceQuantizeImpl,
                                              act_quantize_reference,
                                              int8_gated_residual_reference,
                                              modulation_quantize_reference, prologue_reference)
@@ -857,3 +858,28 @@ def test_cuda_block_fused_equals_the_plan_without_the_rules():
             plain, _ = _compiled(mod, args)
     assert fires == {"modulation_quantize": 1, "int8_gated_residual": 1}
     assert torch.equal(fused, plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int8_linear_cast_is_the_pair_bit_for_bit(dtype):
+    # a 16-bit layer under quantize="w8a8": sd.linear_i8.v1 (float32) -> cast, fused into one
+    # step whose epilogue rounds each float32 value once into the 16-bit output
+    mod = _LnProj().to(dtype)
+    args = ((torch.randn(2, 37, 64, generator=_gen(2)) * 3 + 1).to(dtype),)
+    fused, fires = _compiled(mod, args)
+    assert fires.get("int8_linear_cast") == 3 and fused.dtype == dtype
+    with _without("int8_linear_cast"):
+        pair, fires_pair = _compiled(mod, args)
+    assert "int8_linear_cast" not in fires_pair
+    assert torch.equal(fused, pair)
+    with torch.no_grad():
+        assert _cos(fused.float(), mod.float()(args[0].float())) > 0.999
+
+
+def test_int8_linear_cast_declines_a_cast_with_other_options():
+    rule = Int8LinearCastFusion(cpu_f.Int8LinearCastCPU())
+    ch = dict(linear=None, cast=type("N", (), {"params": {"dtype": torch.bfloat16,
+                                                          "memory_format": torch.channels_last},
+                                              "meta": None})())
+    ch["linear"] = type("N", (), {"meta": TensorMeta((4, 8), (8, 1), torch.float32, torch.device("cpu"))})()
+    assert "memory_format" in rule._why_not(ch)

@@ -127,3 +127,37 @@ def test_tiny_models_quantize_every_linear_and_stay_close(family):
 def test_group_for_takes_the_largest_group_dividing_k(k, group, want):
     from fxbackend.patterns.quantize import group_for
     assert group_for(k, group) == want
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_layer_is_the_float32_step_rounded_once(dtype):
+    # a 16-bit linear quantizes its 16-bit input and weight exactly as the float32 step would
+    # the same values, then rounds the float32 result to the layer's dtype once
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32).to(dtype).eval()
+    x = torch.randn(7, 64).to(dtype)
+    with torch.no_grad():
+        out = torch.compile(lin, backend="fxbackend",
+                            options={"quantize": "w8a8", "convrot_group": 64})(x)
+    packed = quantize_i8_convrot_reference(x.float(), 64)
+    want = linear_i8_reference(packed, lin.weight.float(), bias=lin.bias.float(),
+                               x_kind="packed", w_kind="float", group=64, m=7, lead=(7,))
+    assert out.dtype == dtype and torch.equal(out, want.to(dtype))
+
+
+def test_16_bit_model_quantizes_its_layers():
+    torch.manual_seed(0)
+    m = _Attn().to(torch.bfloat16).eval()
+    args = tuple(a.to(torch.bfloat16) for a in _inputs())
+    text = _explain(m, args, quantize="w8a8", convrot_group=16)
+    declined = [ln for ln in text.splitlines() if "quantize_w8a8 declined" in ln]
+    assert len(declined) == 1 and "is a user input" in declined[0]  # the rest are quantized
+    assert text.count("fused int8_linear_cast") == 4  # each 16-bit linear's step writes bf16
+    with torch.no_grad():
+        ref = m.float()(*[a.float() for a in args])
+        m.to(torch.bfloat16)
+        out = torch.compile(m, backend="fxbackend",
+                            options={"quantize": "w8a8", "convrot_group": 16})(*args)
+    assert out.dtype == torch.bfloat16
+    cos = torch.nn.functional.cosine_similarity(out.float().flatten(), ref.flatten(), dim=0)
+    assert cos.item() > 0.999
