@@ -156,7 +156,7 @@ def _epilogue_kernel(acc_ptr, out_ptr, xs_ptr, ws_ptr, b_ptr, M, N, HAS_BIAS: tl
     v = v * ws[None, :]
     if HAS_BIAS:
         v = v + tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs, v, mask=ok)
+    tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=ok)  # 16-bit: one rounding
 
 
 #: the ``@triton.jit`` helpers of this module's kernels (jitted by ``rope.lazy_kernel``)
@@ -229,9 +229,9 @@ def quantize_i8_convrot_triton(x: torch.Tensor, group: int = 1, out: torch.Tenso
 def epilogue_triton(acc: torch.Tensor, out: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor,
                     bias: torch.Tensor | None) -> None:
     """``out = float32(acc) * xs[:, None] * ws[None, :] (+ bias)`` with ``_epilogue_kernel``:
-    ``acc`` int32 ``[M, N]`` contiguous, ``out`` float32 with M * N contiguous elements (may be
-    ``acc``'s own storage), ``xs`` ``[M]`` / ``ws`` ``[N]`` float32, ``bias`` None or ``[N]``;
-    no checks."""
+    ``acc`` int32 ``[M, N]`` contiguous, ``out`` with M * N contiguous elements, float32 (may be
+    ``acc``'s own storage) or bfloat16/float16 (each value rounded once: ``int8_linear_cast``),
+    ``xs`` ``[M]`` / ``ws`` ``[N]`` float32, ``bias`` None or ``[N]``; no checks."""
     m, n = acc.shape
     if m == 0 or n == 0:
         return

@@ -71,7 +71,7 @@ from fxbackend.patterns.rmsnorm import rms_norm_out_dtype
 
 __all__ = ["int8_gated_residual_triton", "int8_linear_act_quantize_triton",
            "modulation_quantize_triton", "rms_norm_quantize_triton", "act_quantize_triton",
-           "Int8GatedResidualCUDA", "Int8LinearActQuantizeCUDA",
+           "Int8GatedResidualCUDA", "Int8LinearActQuantizeCUDA", "Int8LinearCastCUDA",
            "ModulationQuantizeCUDA", "RmsNormQuantizeCUDA", "PrologueQuantizeCUDA", "MAX_D"]
 
 #: the widest row the norm-quantize kernels hold in registers (the quantize kernel's one-pass
@@ -518,6 +518,24 @@ class Int8LinearActQuantizeCUDA(Int8GatedResidualCUDA):
         _actq_launch(acc, xs, ws, bias, out, act, group)
 
 
+class Int8LinearCastCUDA(Int8GatedResidualCUDA):
+    """``int8_linear_cast`` on CUDA (interface:
+    ``fxbackend.patterns.int8_fusions.Int8LinearCastFusion``): ``torch._int_mm`` into
+    workspace, then ``sd.linear_i8.v1``'s Triton epilogue storing the 16-bit output.  Not
+    capture-safe, for the reason :class:`Int8GatedResidualCUDA` gives."""
+
+    name = "int8_linear_cast_triton"
+
+    def why_not_cast(self, out) -> str | None:
+        if out.dtype not in (torch.bfloat16, torch.float16):
+            return f"output dtype {out.dtype} (bfloat16 or float16)"
+        return _why_not_cuda((out,))
+
+    def run_cast(self, qx, xs, qw, ws, bias, acc, out) -> None:
+        _gemm(qx, qw, acc)
+        _i8.epilogue_triton(acc, out, xs, ws, bias)
+
+
 def _warm_quantize(dev, p, metas, M, K, N) -> None:
     """Plan-time warm-up of int8's quantize kernel for the float operands of a linear."""
     nst = hadamard_stages(p["group"])
@@ -920,4 +938,5 @@ class PrologueQuantizeCUDA:
 
 
 register_int8_fusions("cuda", Int8GatedResidualCUDA(), Int8LinearActQuantizeCUDA(),
-                      ModulationQuantizeCUDA(), RmsNormQuantizeCUDA(), PrologueQuantizeCUDA())
+                      ModulationQuantizeCUDA(), RmsNormQuantizeCUDA(), PrologueQuantizeCUDA(),
+                      linear_cast=Int8LinearCastCUDA())

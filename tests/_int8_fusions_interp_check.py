@@ -16,6 +16,8 @@ stdin: a JSON list of cases, each with ``"id"`` and ``"kind"``:
 - ``{"kind": "lactq", "m", "k", "n", "group", "out_group", "act", "bias", "block"}``:
   ``int8_linear_act_quantize_triton`` bit-equal to the unfused Triton pair
   (``linear_i8_triton`` then ``act_quantize_triton``);
+- ``{"kind": "lcast", "m", "k", "n", "group", "dtype", "bias"}``: ``Int8LinearCastCUDA``'s
+  step (the epilogue storing bfloat16/float16) bit-equal to the float32 epilogue cast by torch;
 - ``{"kind": "modq", "shape", "dtype", "norm", "add_c", "group", "layout"}``:
   ``modulation_quantize_triton`` bit-equal to ``quantize_i8_convrot_triton(modulation_triton(
   ...))``, the unfused Triton chain; layout "chunk" (scale/shift strided [B, 1, C] chunks of an
@@ -122,6 +124,33 @@ def run_lactq(case: dict) -> dict:
     return {}
 
 
+def run_lcast(case: dict) -> dict:
+    """``int8_linear_cast``'s CUDA step (GEMM, then the epilogue storing 16-bit values) equals
+    the float32 epilogue rounded by torch."""
+    import torch
+    from fxbackend.cuda_kernels.int8_fusions import Int8LinearCastCUDA
+    from fxbackend.cuda_kernels.int8 import epilogue_triton
+    from fxbackend.patterns.int8 import quantize_i8_convrot_reference, \
+        quantize_weight_i8_reference, unpack
+
+    g = _gen(case, torch)
+    m, k, n, group = case["m"], case["k"], case["n"], case["group"]
+    dt = getattr(torch, case["dtype"])
+    qx, xs = unpack(quantize_i8_convrot_reference(_acts((m, k), torch.float32, g, torch), group),
+                    m, k)
+    wq, ws = quantize_weight_i8_reference(torch.randn(n, k, generator=g) * 0.1, group)
+    bias = torch.randn(n, generator=g).to(dt) if case["bias"] else None
+    got = torch.empty(m, n, dtype=dt)
+    Int8LinearCastCUDA().run_cast(qx, xs, wq, ws, bias, torch.empty(m, n, dtype=torch.int32),
+                                  got)
+    acc = torch._int_mm(qx, wq.t())
+    y = torch.empty(m, n)
+    epilogue_triton(acc, y, xs, ws, bias)
+    want = y.to(dt)
+    assert torch.equal(got, want), _diff(got.float(), want.float())
+    return {}
+
+
 def run_modq(case: dict) -> dict:
     import torch
     from fxbackend.cuda_kernels.int8 import quantize_i8_convrot_triton
@@ -202,8 +231,8 @@ def run_preq(case: dict) -> dict:
 
 
 def main() -> int:
-    runners = {"gr": run_gr, "lactq": run_lactq, "modq": run_modq, "rmsq": run_rmsq,
-               "preq": run_preq}
+    runners = {"gr": run_gr, "lactq": run_lactq, "lcast": run_lcast, "modq": run_modq,
+               "rmsq": run_rmsq, "preq": run_preq}
     return serve(lambda case: runners[case["kind"]](case), {}, setup=patch_bf16_rounding)
 
 

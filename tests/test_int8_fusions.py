@@ -331,6 +331,10 @@ def _triton_cases() -> list:
             ("gelu", (6, 64, 256), 64, 256, True, None)]:
         cases.append(dict(id=f"lactq-{act}-{n}-{block}", kind="lactq", m=m, k=k, n=n,
                           group=group, out_group=out_group, act=act, bias=bias, block=block))
+    for dt, (m, k, n), group, bias in [("bfloat16", (5, 32, 48), 16, True),
+                                       ("float16", (17, 64, 40), 64, False)]:
+        cases.append(dict(id=f"lcast-{dt}-{m}", kind="lcast", m=m, k=k, n=n, group=group,
+                          dtype=dt, bias=bias))
     for dt, norm, add_c, layout, group, shape in [
             ("float32", "layer", 1.0, "chunk", 16, (2, 5, 64)),
             ("bfloat16", "rms", None, "strided_x", 4, (2, 3, 48)),
