@@ -197,9 +197,10 @@ def _i8_gr_kernel(acc, xs, ws, b, has_b, gate, res, out, nb, ns, c, gsb, gss, gs
                 _row_strided(yv, gate, res, out, go, ro, oo, gsc, rsc, osc, c, scale, op)
 
 
-def _i8_actq_kernel(acc, xs, ws, b, has_b, q, scales, m, mp, n, act, nst, inv, chunk):
+def _i8_actq_kernel(acc, xs, ws, b, has_b, q, scales, m, mp, n, act, nst, inv, chunk, t):
     """Packed rows 0 .. mp-1 in tasks of ``chunk``: rows below m through linear_i8's epilogue
-    (into the scratch ``yv``), the activation, then quantized; the rest padding."""
+    (into the scratch ``yv``), rounded to t's element type T (a 16-bit layer's cast; nothing
+    for float32), the activation (rounded to T), then quantized; the rest padding."""
     ku = np.uint64(n)
     for task in prange(_tasks(mp, chunk)):
         yv, rb = _scratch_rows(n)
@@ -212,7 +213,9 @@ def _i8_actq_kernel(acc, xs, ws, b, has_b, q, scales, m, mp, n, act, nst, inv, c
             ar = acc[row * n:row * n + n]
             sx = xs[row]
             _epilogue_row(yv, ar, sx, ws, b, has_b, n)
-            _activate(yv, yv, n, act)
+            for e in range(n):
+                yv[e] = _round_as(t, yv[e])
+            _activate(t, yv, n, act)
             _quantize_into(yv, rb, q, scales, ru, ku, nst, inv)
 
 
@@ -454,7 +457,7 @@ class Int8GatedResidualCPU:
 
 # -- int8_linear_act_quantize ----------------------------------------------------------------------
 
-def _actq_launch(acc, xs, ws, bias, out, act, group) -> None:
+def _actq_launch(acc, xs, ws, bias, out, act, group, dtype=torch.float32) -> None:
     m, n = acc.shape
     q, sc, mp = _packed_views(out, m, n)
     if mp == 0:
@@ -464,17 +467,23 @@ def _actq_launch(acc, xs, ws, bias, out, act, group) -> None:
     chunk = _chunk(mp, n, _set_threads())
     b = _flat(bias, n) if bias is not None else np.zeros(0, np.float32)
     k(_flat(acc, m * n), _flat(xs, m), _flat(ws, n), b, bias is not None, q, sc, m, mp, n,
-      _ACT_ID[act], nst, np.float32(2.0 ** -nst), chunk)
+      _ACT_ID[act], nst, np.float32(2.0 ** -nst), chunk, np.zeros(0, _NP_OF[dtype]))
 
 
 def int8_linear_act_quantize_cpu(qx: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
                                  w_scale: torch.Tensor, bias: torch.Tensor | None = None, *,
                                  act: str, group: int = 1,
-                                 out: torch.Tensor | None = None) -> torch.Tensor:
+                                 out: torch.Tensor | None = None,
+                                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``quantize(act(linear_i8(qx, w)), group)`` for int8 rows ``qx [M, K]`` with their
     float32 scales and an int8 weight ``w [N, K]`` with ``w_scale [N]``: ``torch._int_mm``
     into a temporary accumulator, then one pass per row (module docstring); the packed layout
-    (into ``out`` when given).  ValueError for inputs the kernels do not take."""
+    (into ``out`` when given).  ``dtype`` bfloat16/float16: a 16-bit layer's chain (the
+    linear's value cast to it, the activation computed on that and rounded to it).  ValueError
+    for inputs the kernels do not take."""
+    if dtype not in Int8LinearActQuantizeCPU.act_dtypes:
+        raise ValueError(f"int8_linear_act_quantize_cpu: dtype {dtype} (float32, bfloat16 or "
+                         f"float16)")
     metas = [TensorMeta.of(t) for t in (qx, w, w_scale, x_scale)] + \
         [None if bias is None else TensorMeta.of(bias)]
     M, K, N, _ = check_linear(metas[0], metas[1], metas[2], metas[3], metas[4], x_kind="int8",
@@ -488,7 +497,7 @@ def int8_linear_act_quantize_cpu(qx: torch.Tensor, x_scale: torch.Tensor, w: tor
         raise ValueError(f"int8_linear_act_quantize_cpu: unsupported input: {why}")
     acc = torch.empty(M, N, dtype=torch.int32)
     _gemm(qx, w, acc)
-    _actq_launch(acc, x_scale, w_scale, bias, out, act, group)
+    _actq_launch(acc, x_scale, w_scale, bias, out, act, group, dtype)
     return out
 
 
@@ -511,14 +520,18 @@ class Int8LinearActQuantizeCPU(Int8GatedResidualCPU):
         except Exception as exc:
             return f"metadata not understood ({type(exc).__name__}: {exc})"
 
-    def compile_act(self, linear, act, group) -> None:
-        compile_kernels("actq", self._compile_linear(linear))
+    #: chain dtypes this kernel fuses (a 16-bit layer's cast rounds the linear's value)
+    act_dtypes = (torch.float32, torch.bfloat16, torch.float16)
 
-    def run_act(self, qx, xs, qw, ws, bias, acc, out, *, act, group) -> None:
+    def compile_act(self, linear, act, group, dtype=torch.float32) -> None:
+        compile_kernels("actq", self._compile_linear(linear), dtype)
+
+    def run_act(self, qx, xs, qw, ws, bias, acc, out, *, act, group,
+                dtype=torch.float32) -> None:
         _check_cancelled()
         _gemm(qx, qw, acc)
         _check_cancelled()
-        _actq_launch(acc, xs, ws, bias, out, act, group)
+        _actq_launch(acc, xs, ws, bias, out, act, group, dtype)
 
 
 # -- int8_linear_cast ------------------------------------------------------------------------------
@@ -733,7 +746,7 @@ def act_quantize_cpu(x: torch.Tensor, other: torch.Tensor | None = None,
 def compile_kernels(kind: str, dtype: torch.dtype | None, other_dtype=None) -> None:
     """Compile (or load from the disk cache) one kernel of this file by a call with no rows on
     exactly the types a launch passes: ``kind`` "gr" / "actq" (``dtype``: the bias's, None: no
-    bias),
+    bias; "actq"'s ``other_dtype``: the chain's dtype, None: float32),
     "mod" / "pre" (x's dtype), "rms" (x's dtype; ``other_dtype``: ``(weight dtype or None,
     the norm's output dtype)``).  Thread-safe."""
     k = _jit()[kind]
@@ -748,7 +761,7 @@ def compile_kernels(kind: str, dtype: torch.dtype | None, other_dtype=None) -> N
         elif kind == "actq":
             b = np.zeros(0, _NP_OF[dtype or torch.float32])
             k(np.zeros(0, np.int32), z32, z32, b, dtype is not None, q, z32, 0, 0, 4, 1, 1,
-              np.float32(0.5), 1)
+              np.float32(0.5), 1, np.zeros(0, _NP_OF[other_dtype or torch.float32]))
         elif kind == "mod":
             a = np.zeros(0, _NP_OF[dtype])
             k(a, a, a, q, z32, bt, 4, 1, 1, 1, np.float32(1e-6), False, True, np.float32(1.0),

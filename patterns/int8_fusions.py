@@ -555,7 +555,8 @@ class _Int8LinearRule:
 class Int8LinearActQuantizeFusion(_Int8LinearRule):
     """Fusion rule ``int8_linear_act_quantize``::
 
-        # sd.linear_i8 -> views* -> gelu|gelu_tanh|silu|sigmoid -> [clone] -> views* -> quantize
+        # sd.linear_i8 -> [_to_copy bf16|fp16] -> views* -> gelu|gelu_tanh|silu|sigmoid
+        #   -> [clone] -> views* -> quantize
         #   =>  fused.int8_linear_act_quantize: torch._int_mm, then ONE pass per row
 
     The feed-forward between two quantized linears (Flux's/SD3's ``ff.net[0].proj`` -> GELU(tanh)
@@ -571,6 +572,10 @@ class Int8LinearActQuantizeFusion(_Int8LinearRule):
     ``quantize``; ``why_not_act(m, n, out, act, group)`` (``out`` the packed output; never
     raises); optional ``compile_act(linear, act, group)``; ``run_act(qx, xs, qw, ws, bias, acc,
     out, *, act, group)``: the GEMM into ``acc`` (int32 workspace) and the pass into ``out``.
+    A 16-bit layer's chain (the cast after the linear: T = bfloat16 or float16) rounds the
+    linear's value to T before the activation, and the activation's to T, as the unfused steps
+    do; it fuses only where ``impl.act_dtypes`` lists T, and then ``compile_act`` and
+    ``run_act`` also get ``dtype=T``.
     """
 
     rule_name = "int8_linear_act_quantize"
@@ -579,7 +584,10 @@ class Int8LinearActQuantizeFusion(_Int8LinearRule):
         lin = nodes[i]
         if not Int8GatedResidualFusion._starts(lin):
             return None
-        k, prev = i + 1, lin
+        k, prev, cast = i + 1, lin, None
+        if k < len(nodes) and _is_cast_of(nodes[k], lin):  # a 16-bit layer
+            cast = prev = nodes[k]
+            k += 1
         while k < len(nodes) and _is_row_view(nodes[k], prev):
             prev = nodes[k]
             k += 1
@@ -599,12 +607,15 @@ class Int8LinearActQuantizeFusion(_Int8LinearRule):
             return None
         return dict(linear=lin, act=act, value=last, quant=quant,
                     group=quant.params.get("group"), nodes=nodes[i:k + len(views) + 1],
-                    srcs=linear_srcs(lin.srcs, lin.params))
+                    srcs=linear_srcs(lin.srcs, lin.params),
+                    dtype=torch.float32 if cast is None else cast.meta.dtype)
 
     def _why_not(self, ch) -> str | None:
-        lin, v = ch["linear"].meta, ch["value"].meta
-        if not isinstance(v, TensorMeta) or v.dtype != torch.float32 or v.is_symbolic:
-            return "the activation is not a concrete float32 tensor"
+        lin, v, dt = ch["linear"].meta, ch["value"].meta, ch["dtype"]
+        if not isinstance(v, TensorMeta) or v.dtype != dt or v.is_symbolic:
+            return f"the activation is not a concrete {dt} tensor"
+        if dt not in getattr(self.impl, "act_dtypes", (torch.float32,)):
+            return f"{self.impl.name}: no kernel for {dt} chains"
         if v.numel != lin.numel or v.shape[-1] != lin.shape[-1]:
             return "the activation's rows are not the linear's"
         why = _quantize_why_not(ch["quant"], v)
@@ -623,6 +634,9 @@ class Int8LinearActQuantizeFusion(_Int8LinearRule):
             users = graph.users()
             for lin in [n for n in graph.nodes if n.op == LINEAR_I8]:
                 chain, u = [lin], _one_user(users, lin)
+                if u is not None and _is_cast_of(u, lin):
+                    chain.append(u)
+                    u = _one_user(users, u)
                 while u is not None and _is_row_view(u, chain[-1]):
                     chain.append(u)
                     u = _one_user(users, u)
@@ -638,20 +652,39 @@ class Int8LinearActQuantizeFusion(_Int8LinearRule):
 
     def _state(self, node) -> dict:
         st = super()._state(node)
-        return dict(st, act=st["chain"]["act"], qgroup=st["chain"]["group"])
+        dt = st["chain"]["dtype"]
+        return dict(st, act=st["chain"]["act"], qgroup=st["chain"]["group"],
+                    extra={} if dt == torch.float32 else {"dtype": dt})
 
     def compile(self, node) -> None:
         comp = getattr(self.impl, "compile_act", None)
         if comp is not None:
             st = self._state(node)
-            comp(st["linear"], st["act"], st["qgroup"])
+            comp(st["linear"], st["act"], st["qgroup"], **st["extra"])
 
     def execute(self, ctx, node, state, inputs, out, workspace) -> None:
         st = state
         value = dict(zip(node.srcs, inputs))
         qx, xs, qw, ws, bias = _linear_operands(self.impl, st, st["srcs"], value, workspace)
         self.impl.run_act(qx, xs, qw, ws, bias, _acc_view(st, workspace), out, act=st["act"],
-                          group=st["qgroup"])
+                          group=st["qgroup"], **st["extra"])
+
+
+def _cast_why_not(n) -> str | None:
+    """Why the ``_to_copy`` node ``n`` is not a plain cast to bfloat16/float16 (None: it is)."""
+    for key, value in n.params.items():
+        if key != "dtype" and value not in _CAST_DEFAULTS.get(key, (None,)):
+            return f"the cast has {key}={value!r}"
+    m = _tensor(n)
+    if m is None or m.is_symbolic or m.dtype not in (torch.bfloat16, torch.float16):
+        return "the cast is not to a concrete bfloat16/float16 tensor"
+    return None
+
+
+def _is_cast_of(n, prev) -> bool:
+    """``n`` is a plain cast of ``prev`` to bfloat16/float16 (the 16-bit layers'
+    ``quantize_w8a8`` form: ``sd.linear_i8.v1 -> _to_copy``)."""
+    return n.op == "aten._to_copy.default" and n.srcs == [prev] and _cast_why_not(n) is None
 
 
 def _is_clone_of(n, prev) -> bool:
@@ -679,8 +712,9 @@ class Int8LinearCastFusion(_Int8LinearRule):
     A 16-bit linear under ``quantize="w8a8"`` (``patterns/quantize.py``) is the float32
     ``sd.linear_i8.v1`` step followed by a cast to the layer's dtype; fused, the epilogue rounds
     each float32 value once into the 16-bit output, so the float32 [M, N] result is never
-    written and read back.  Bit-exact to the pair.  Priority 6 (the other rules starting at
-    ``sd.linear_i8.v1`` read its float32 output through views, not a cast).
+    written and read back.  Bit-exact to the pair.  Priority 5: below
+    ``int8_linear_act_quantize`` (6), which takes the cast too when an activation and a
+    quantize step follow it.
 
     ``impl``: as :class:`Int8GatedResidualFusion`'s for ``name``, ``why_not_linear``,
     ``quantize``; ``why_not_cast(out)`` (the cast's metadata; never raises); optional
@@ -689,6 +723,7 @@ class Int8LinearCastFusion(_Int8LinearRule):
     only when its implementation has these (``register_int8_fusions``'s ``linear_cast``).
     """
 
+    priority = 5
     rule_name = "int8_linear_cast"
 
     def _chain(self, nodes, i):
@@ -703,12 +738,9 @@ class Int8LinearCastFusion(_Int8LinearRule):
 
     def _why_not(self, ch) -> str | None:
         lin, c = ch["linear"].meta, ch["cast"].meta
-        for key, value in ch["cast"].params.items():
-            if key != "dtype" and value not in _CAST_DEFAULTS.get(key, (None,)):
-                return f"the cast has {key}={value!r}"
-        if not isinstance(c, TensorMeta) or c.is_symbolic or \
-                c.dtype not in (torch.bfloat16, torch.float16):
-            return "the cast is not to a concrete bfloat16/float16 tensor"
+        why = _cast_why_not(ch["cast"])
+        if why is not None:
+            return why
         if tuple(c.shape) != tuple(lin.shape) or not c.is_contiguous or c.device != lin.device:
             return f"the cast's output {c.short()} is not the linear's rows, contiguous"
         why = self.impl.why_not_linear(ch["linear"]) or self.impl.why_not_cast(c)

@@ -33,6 +33,7 @@ import fxbackend
 import fxbackend.models
 from fxbackend import TensorMeta
 from fxbackend import fusion as _fusion
+from fxbackend.cpu_kernels import int8 as cpu_i8
 from fxbackend.cpu_kernels import int8_fusions as cpu_f
 from fxbackend.cpu_kernels import rmsnorm as _rms
 from fxbackend.cpu_kernels.activation import activate_cpu
@@ -887,3 +888,47 @@ def test_int8_linear_cast_declines_a_cast_with_other_options():
                                               "meta": None})())
     ch["linear"] = type("N", (), {"meta": TensorMeta((4, 8), (8, 1), torch.float32, torch.device("cpu"))})()
     assert "memory_format" in rule._why_not(ch)
+
+
+class _Ff16(nn.Module):
+    """A 16-bit feed-forward: fc1 -> GELU(tanh) -> fc2 (a quantized linear each)."""
+
+    def __init__(self, c=64, act="gelu_tanh"):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(c, 2 * c), nn.Linear(2 * c, c)
+        self.act = act
+        _init(self)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        h = F.gelu(h, approximate="tanh") if self.act == "gelu_tanh" else F.silu(h)
+        return self.fc2(h)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("act", ["gelu_tanh", "silu"])
+def test_16_bit_feed_forward_fuses_linear_cast_act_quantize_bit_for_bit(dtype, act):
+    mod = _Ff16(act=act).to(dtype)
+    args = ((torch.randn(3, 7, 64, generator=_gen(4)) * 2).to(dtype),)
+    fused, fires = _compiled(mod, args)
+    assert fires.get("int8_linear_act_quantize") == 1 and fused.dtype == dtype
+    with _without("int8_linear_act_quantize"):
+        steps, fires_steps = _compiled(mod, args)
+    assert "int8_linear_act_quantize" not in fires_steps  # linear_cast, then act_quantize
+    assert fires_steps.get("int8_linear_cast") == 2 and fires_steps.get("act_quantize") == 1
+    assert torch.equal(fused, steps)
+
+
+def test_int8_linear_act_quantize_cpu_rounds_to_the_chain_dtype():
+    g = _gen(9)
+    m, k, n = 5, 32, 48
+    qx, xs = unpack(quantize_i8_convrot_reference(torch.randn(m, k, generator=g), 16), m, k)
+    wq, ws = quantize_weight_i8_reference(torch.randn(n, k, generator=g) * 0.2, 16)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    got = cpu_f.int8_linear_act_quantize_cpu(qx, xs, wq, ws, bias, act="gelu_tanh", group=16,
+                                             dtype=torch.bfloat16)
+    y = cpu_i8.linear_i8_cpu(qx, wq, ws, xs, bias, x_kind="int8").to(torch.bfloat16)
+    want = cpu_f.act_quantize_cpu(y, act="gelu_tanh", group=16)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="dtype"):
+        cpu_f.int8_linear_act_quantize_cpu(qx, xs, wq, ws, act="silu", dtype=torch.float64)
