@@ -91,7 +91,7 @@ from .int8 import _quantize_row, quantize_rows_cpu
 from .modulation import _load_row, _modulate, _row_offsets, _row_stats
 from .rmsnorm import _inv_rms, _normed, _round_as
 from .rope import (_NP_OF, _bcast_offsets, _compile_lock, _flat, _load, _set_threads,
-                   _why_not_metas)
+                   _store, _why_not_metas)
 
 __all__ = ["int8_gated_residual_cpu", "int8_linear_act_quantize_cpu", "modulation_quantize_cpu",
            "rms_norm_quantize_cpu", "act_quantize_cpu", "compile_kernels",
@@ -122,14 +122,15 @@ def _zero_row(q, scales, ru, ku):
 
 
 def _epilogue_row(yv, ar, sx, ws, b, has_b, c):
-    """linear_i8's epilogue of accumulator row ``ar`` (x scale ``sx``) into the float32 scratch
-    row ``yv``: ``(float32(acc) * sx) * ws[e] [+ float32(b[e])]``."""
+    """linear_i8's epilogue of accumulator row ``ar`` (x scale ``sx``) into the scratch row
+    ``yv``: ``(float32(acc) * sx) * ws[e] [+ float32(b[e])]``, rounded to yv's element type
+    (float32, or a 16-bit chain's bits)."""
     if has_b:
         for e in range(c):
-            yv[e] = (np.float32(ar[e]) * sx) * ws[e] + _load(b, e)
+            _store(yv, e, (np.float32(ar[e]) * sx) * ws[e] + _load(b, e))
     else:
         for e in range(c):
-            yv[e] = (np.float32(ar[e]) * sx) * ws[e]
+            _store(yv, e, (np.float32(ar[e]) * sx) * ws[e])
 
 
 def _quantize_into(xv, rb, q, scales, ru, ku, nst, inv):
@@ -174,13 +175,15 @@ def _scratch_rows(d):
 # -- kernels ---------------------------------------------------------------------------------------
 
 def _i8_gr_kernel(acc, xs, ws, b, has_b, gate, res, out, nb, ns, c, gsb, gss, gsc, rsb, rss,
-                  rsc, osb, oss, osc, scale, op, rows_per_task):
+                  rsc, osb, oss, osc, scale, op, rows_per_task, t):
     """Rows r = (b, s) of ``nb * ns``: the linear_i8 epilogue of accumulator row r into a
-    scratch row, then gated_residual's row function into out (module docstring)."""
+    scratch row of t's element type (float32, or a 16-bit chain's: the value rounded as the
+    cast does, and gated_residual's roundings to it), then gated_residual's row function into
+    out (module docstring)."""
     nrows = nb * ns
     unit = gsc == 1 and rsc == 1 and osc == 1
     for task in prange(_tasks(nrows, rows_per_task)):
-        yv = np.empty(c, np.float32)
+        yv = np.empty(c, t.dtype)
         r0, r1 = _task_rows(task, rows_per_task, nrows)
         for r in range(r0, r1):
             ar = acc[r * c:r * c + c]
@@ -346,7 +349,8 @@ def _check_cancelled() -> None:
 
 # -- int8_gated_residual ---------------------------------------------------------------------------
 
-def _gr_launch(acc, xs, ws, bias, gate, res, out, y_shape, scale_op, scale) -> None:
+def _gr_launch(acc, xs, ws, bias, gate, res, out, y_shape, scale_op, scale,
+               dtype=torch.float32) -> None:
     lay = epilogue_layout(tuple(y_shape), tuple(gate.shape), tuple(gate.stride()),
                           tuple(res.shape), tuple(res.stride()), tuple(out.stride()))
     if lay.spans[0] == 0:
@@ -359,7 +363,7 @@ def _gr_launch(acc, xs, ws, bias, gate, res, out, y_shape, scale_op, scale) -> N
     k(_flat(acc, lay.spans[0]), _flat(xs, lay.nb * lay.ns), _flat(ws, n), b, bias is not None,
       _flat(gate, lay.spans[1]), _flat(res, lay.spans[2]), _flat(out, lay.spans[3]), lay.nb,
       lay.ns, n, *lay.g, *lay.r, *lay.o, np.float32(1.0 if scale is None else scale),
-      _OPS[scale_op], rows)
+      _OPS[scale_op], rows, np.zeros(0, _NP_OF[dtype]))
 
 
 def _gemm(qx: torch.Tensor, qw: torch.Tensor, acc: torch.Tensor) -> None:
@@ -411,10 +415,7 @@ def int8_gated_residual_cpu(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Ten
 
 
 def _why_not_epilogue(y, gate, residual, out) -> str | None:
-    why = epilogue_why_not(y, gate, residual, out, "cpu")
-    if why is None and y.dtype != torch.float32:
-        why = f"dtype {y.dtype} (the int8 linear's output is float32)"
-    return why
+    return epilogue_why_not(y, gate, residual, out, "cpu")
 
 
 class Int8GatedResidualCPU:
@@ -442,17 +443,21 @@ class Int8GatedResidualCPU:
             _i8.compile_kernels(metas[1].dtype, None, epilogue=False)
         return metas[-1].dtype if p.get("has_bias") else None
 
+    #: chain dtypes this kernel fuses (a 16-bit layer's cast rounds the linear's value)
+    gr_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+
     def compile(self, linear, y, gate, residual, out, scale_op) -> None:
-        compile_kernels("gr", self._compile_linear(linear))
+        compile_kernels("gr", self._compile_linear(linear), y.dtype)
 
     def quantize(self, x, group, q, scales, m, mp) -> None:
         quantize_rows_cpu(x, group, q, scales, m, mp)
 
-    def run(self, qx, xs, qw, ws, bias, acc, gate, residual, out, *, y_shape, scale_op, scale):
+    def run(self, qx, xs, qw, ws, bias, acc, gate, residual, out, *, y_shape, scale_op, scale,
+            dtype=torch.float32):
         _check_cancelled()
         _gemm(qx, qw, acc)
         _check_cancelled()
-        _gr_launch(acc, xs, ws, bias, gate, residual, out, y_shape, scale_op, scale)
+        _gr_launch(acc, xs, ws, bias, gate, residual, out, y_shape, scale_op, scale, dtype)
 
 
 # -- int8_linear_act_quantize ----------------------------------------------------------------------
@@ -746,7 +751,7 @@ def act_quantize_cpu(x: torch.Tensor, other: torch.Tensor | None = None,
 def compile_kernels(kind: str, dtype: torch.dtype | None, other_dtype=None) -> None:
     """Compile (or load from the disk cache) one kernel of this file by a call with no rows on
     exactly the types a launch passes: ``kind`` "gr" / "actq" (``dtype``: the bias's, None: no
-    bias; "actq"'s ``other_dtype``: the chain's dtype, None: float32),
+    bias; ``other_dtype``: the chain's dtype, None: float32),
     "mod" / "pre" (x's dtype), "rms" (x's dtype; ``other_dtype``: ``(weight dtype or None,
     the norm's output dtype)``).  Thread-safe."""
     k = _jit()[kind]
@@ -756,8 +761,9 @@ def compile_kernels(kind: str, dtype: torch.dtype | None, other_dtype=None) -> N
     with _compile_lock:  # see rope's compile_kernels
         if kind == "gr":
             b = np.zeros(0, _NP_OF[dtype or torch.float32])
-            k(np.zeros(0, np.int32), z32, z32, b, dtype is not None, z32, z32, z32, 0, 1, 1,
-              0, 0, 1, 0, 0, 1, 0, 0, 1, np.float32(1.0), 0, 1)
+            y = np.zeros(0, _NP_OF[other_dtype or torch.float32])
+            k(np.zeros(0, np.int32), z32, z32, b, dtype is not None, y, y, y, 0, 1, 1,
+              0, 0, 1, 0, 0, 1, 0, 0, 1, np.float32(1.0), 0, 1, y)
         elif kind == "actq":
             b = np.zeros(0, _NP_OF[dtype or torch.float32])
             k(np.zeros(0, np.int32), z32, z32, b, dtype is not None, q, z32, 0, 0, 4, 1, 1,

@@ -301,10 +301,15 @@ class GatedResidualFusion:
         (the next node in the graph for matching, the single user for ``optimize``)."""
         if not self._starts(lin):
             return None
-        chain = [lin]
+        return self._chain_from([lin], next_of)
+
+    def _chain_from(self, chain: list, next_of, nxt=None) -> list | None:
+        """The rest of the chain after ``chain`` (the linear, and nodes a subclass took);
+        ``nxt``: the next candidate when the caller already fetched it."""
         scaled = False
         while True:
-            nxt = next_of(chain[-1])
+            if nxt is None:
+                nxt = next_of(chain[-1])
             if nxt is None:
                 return None
             prev = chain[-1]
@@ -318,6 +323,7 @@ class GatedResidualFusion:
                 break
             else:
                 return None
+            nxt = None
         add = next_of(chain[-1])
         if add is None or not _is_residual_add(add, chain[-1]):
             return None

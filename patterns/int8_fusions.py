@@ -340,12 +340,14 @@ class _I8Parts:
     scale_op: str | None
     scale: float | None
     out_meta: TensorMeta
+    dtype: torch.dtype = torch.float32  # the chain's: a 16-bit layer's cast after the linear
 
 
 class Int8GatedResidualFusion(GatedResidualFusion):
     """Fusion rule ``int8_gated_residual``::
 
-        # sd.linear_i8 -> view/clone* -> [mul|div scalar] -> mul(gate) -> add(residual)
+        # sd.linear_i8 -> [_to_copy bf16|fp16] -> view/clone* -> [mul|div scalar]
+        #   -> mul(gate) -> add(residual)
         #   =>  fused.int8_gated_residual: torch._int_mm, then ONE epilogue pass
 
     The end of every quantized adaLN-Zero block (Flux/SD3 attention out-projections, their
@@ -369,8 +371,11 @@ class Int8GatedResidualFusion(GatedResidualFusion):
     add in either operand order, gate/residual broadcast to the linear's shape).  The linear may
     be any ``sd.linear_i8.v1`` the device's linear kernel computes (every ``x_kind``; a float
     weight is quantized once per step state and again when it changes, as the linear kernel
-    does).  Only float32: the linear's output is float32, so a 16-bit gate or residual makes the
-    chain promote (declined: "dtypes differ").
+    does).  The linear's output is float32, so a 16-bit gate or residual beside it makes the
+    chain promote (declined: "dtypes differ"); a 16-bit layer's chain (its cast after the
+    linear: T = bfloat16 or float16) rounds the linear's value to T and each operation to T, as
+    the unfused steps do, and fuses only where ``impl.gr_dtypes`` lists T (then ``run`` also
+    gets ``dtype=T``; the accumulator then goes to workspace).
 
     ``impl`` (the device kernel): ``name``; ``why_not_linear(node)`` (the device's conditions
     on the ``sd.linear_i8.v1`` node, never raises); ``why_not(y, gate, residual, out)``
@@ -388,12 +393,21 @@ class Int8GatedResidualFusion(GatedResidualFusion):
         super().__init__(impl)
         self.name = "int8_gated_residual"
 
-    # -- matching (``match`` and ``_chain`` are gated_residual's) -----------------------------
+    # -- matching (``match`` is gated_residual's) ---------------------------------------------
     @staticmethod
     def _starts(n) -> bool:
         m = _tensor(n)
         return n.op == LINEAR_I8 and m is not None and m.dtype == torch.float32 and \
             len(m.shape) >= 1 and m.is_contiguous
+
+    def _chain(self, lin, next_of) -> list | None:
+        """gated_residual's chain, where a 16-bit layer's cast may follow the linear."""
+        if not self._starts(lin):
+            return None
+        nxt = next_of(lin)
+        if nxt is not None and _is_cast_of(nxt, lin):
+            return self._chain_from([lin, nxt], next_of)
+        return self._chain_from([lin], next_of, nxt)
 
     def _parts(self, chain: list) -> _I8Parts:
         lin, mul, add = chain[0], chain[-2], chain[-1]
@@ -403,18 +417,23 @@ class Int8GatedResidualFusion(GatedResidualFusion):
             None if scale_node is None else
             ("mul" if scale_node.op == "aten.mul.Tensor" else "div"),
             None if scale_node is None else float(scale_node.params["other"]))
+        cast = chain[1] if _is_cast_of(chain[1], lin) else None
         return _I8Parts(lin, linear_srcs(lin.srcs, lin.params), _other(mul, y), _other(add, mul),
-                        tuple(y.meta.shape), scale_op, scale, add.meta)
+                        tuple(y.meta.shape), scale_op, scale, add.meta,
+                        torch.float32 if cast is None else cast.meta.dtype)
 
     def _why_not(self, chain: list) -> str | None:
         p = self._parts(chain)
-        metas = {"the linear": p.linear.meta, "the gate": p.gate.meta,
-                 "the residual": p.residual.meta, "the output": p.out_meta}
+        metas = {"the linear": dataclasses.replace(p.linear.meta, dtype=p.dtype),
+                 "the gate": p.gate.meta, "the residual": p.residual.meta,
+                 "the output": p.out_meta}
         if not all(isinstance(m, TensorMeta) for m in metas.values()):
             return "an operand is not a tensor"
         why = _why_dtypes(metas)
         if why is not None:
             return why
+        if p.dtype not in getattr(self.impl, "gr_dtypes", (torch.float32,)):
+            return f"{self.impl.name}: no kernel for {p.dtype} chains"
         if any(m.is_symbolic for m in metas.values()):
             return "symbolic shapes"
         if not _broadcasts(tuple(p.gate.meta.shape), p.y_shape) or \
@@ -423,7 +442,7 @@ class Int8GatedResidualFusion(GatedResidualFusion):
         why = self.impl.why_not_linear(p.linear)
         if why is None:
             y = dataclasses.replace(p.linear.meta, shape=p.y_shape,
-                                    stride=contiguous_strides(p.y_shape))
+                                    stride=contiguous_strides(p.y_shape), dtype=p.dtype)
             why = self.impl.why_not(y, p.gate.meta, p.residual.meta, p.out_meta)
         return None if why is None else f"{self.impl.name}: {why}"
 
@@ -443,11 +462,13 @@ class Int8GatedResidualFusion(GatedResidualFusion):
     # -- running -----------------------------------------------------------------------------
     def _state(self, node) -> dict:
         p = self._parts(node.annotations["fused"])
-        in_place = node.meta.is_contiguous
+        # the int32 accumulator fits in a contiguous float32 output's own storage
+        in_place = node.meta.is_contiguous and p.dtype == torch.float32
         st = _linear_state(p.linear, p.srcs, acc_in_workspace=not in_place)
         y_meta = dataclasses.replace(p.linear.meta, shape=p.y_shape,
-                                     stride=contiguous_strides(p.y_shape))
-        return dict(st, parts=p, in_place=in_place, y_meta=y_meta)
+                                     stride=contiguous_strides(p.y_shape), dtype=p.dtype)
+        return dict(st, parts=p, in_place=in_place, y_meta=y_meta,
+                    extra={} if p.dtype == torch.float32 else {"dtype": p.dtype})
 
     def compile(self, node) -> None:
         comp = getattr(self.impl, "compile", None)
@@ -475,7 +496,7 @@ class Int8GatedResidualFusion(GatedResidualFusion):
             # the step), but the rule must stay correct if it ever did
             acc = torch.empty((M, N), dtype=torch.int32, device=out.device)
         self.impl.run(qx, xs, qw, ws, bias, acc, value[p.gate], value[p.residual], out,
-                      y_shape=p.y_shape, scale_op=p.scale_op, scale=p.scale)
+                      y_shape=p.y_shape, scale_op=p.scale_op, scale=p.scale, **st["extra"])
 
 
 def _linear_state(lin, srcs: dict, acc_in_workspace: bool) -> dict:

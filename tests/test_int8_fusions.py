@@ -309,7 +309,9 @@ def test_why_not_on_metadata():
         _meta((4, 32)), _meta((4, 32), BF16), _meta((4 * 32 + 16,), torch.int8), "silu", None, 4)
     y, gate = _meta((2, 5, 8)), _meta((2, 1, 8), stride=(48, 8, 1))
     assert cpu_f.Int8GatedResidualCPU().why_not(y, gate, y, y) is None
-    assert "float32" in cpu_f.Int8GatedResidualCPU().why_not(*(_meta((2, 5, 8), BF16),) * 4)
+    # a 16-bit chain (the cast after the linear) is the kernel's too; mixed dtypes are not
+    assert cpu_f.Int8GatedResidualCPU().why_not(*(_meta((2, 5, 8), BF16),) * 4) is None
+    assert "dtype" in cpu_f.Int8GatedResidualCPU().why_not(y, _meta((2, 5, 8), BF16), y, y)
     assert "cuda" in cuda_f.Int8GatedResidualCUDA().why_not(y, gate, y, y).lower()
     assert not getattr(cuda_f.Int8GatedResidualCUDA, "capture_safe", False)  # float weights
     assert cuda_f.ModulationQuantizeCUDA.capture_safe and cuda_f.PrologueQuantizeCUDA.capture_safe
@@ -872,10 +874,13 @@ def test_int8_linear_cast_is_the_pair_bit_for_bit(dtype):
     mod = _LnProj().to(dtype)
     args = ((torch.randn(2, 37, 64, generator=_gen(2)) * 3 + 1).to(dtype),)
     fused, fires = _compiled(mod, args)
-    assert fires.get("int8_linear_cast") == 3 and fused.dtype == dtype
-    with _without("int8_linear_cast"):
+    # q(h) + k(h) * v(h): k's linear with its cast, the multiply and the add are a gated
+    # residual (v's output the gate, q's the residual)
+    assert fires.get("int8_linear_cast") == 2 and fires.get("int8_gated_residual") == 1
+    assert fused.dtype == dtype
+    with _without("int8_linear_cast", "int8_gated_residual"):
         pair, fires_pair = _compiled(mod, args)
-    assert "int8_linear_cast" not in fires_pair
+    assert "int8_linear_cast" not in fires_pair and "int8_gated_residual" not in fires_pair
     assert torch.equal(fused, pair)
     with torch.no_grad():
         assert _cos(fused.float(), mod.float()(args[0].float())) > 0.999
@@ -932,3 +937,30 @@ def test_int8_linear_act_quantize_cpu_rounds_to_the_chain_dtype():
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="dtype"):
         cpu_f.int8_linear_act_quantize_cpu(qx, xs, wq, ws, act="silu", dtype=torch.float64)
+
+
+class _Gated16(nn.Module):
+    """``res + gate * proj(x)`` (adaLN-Zero's end) in a 16-bit model."""
+
+    def __init__(self, c=64):
+        super().__init__()
+        self.proj = nn.Linear(c, c)
+        _init(self)
+
+    def forward(self, x, gate, res):
+        return res + gate.unsqueeze(1) * self.proj(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_gated_residual_fuses_the_cast_bit_for_bit(dtype):
+    g = _gen(7)
+    mod = _Gated16().to(dtype)
+    args = tuple(t.to(dtype) for t in (torch.randn(2, 9, 64, generator=g) * 2,
+                                       torch.randn(2, 64, generator=g),
+                                       torch.randn(2, 9, 64, generator=g)))
+    fused, fires = _compiled(mod, args)
+    assert fires.get("int8_gated_residual") == 1 and fused.dtype == dtype
+    with _without("int8_gated_residual"):
+        steps, fires_steps = _compiled(mod, args)
+    assert fires_steps.get("int8_linear_cast") == 1  # then the native mul and add in 16 bits
+    assert torch.equal(fused, steps)
