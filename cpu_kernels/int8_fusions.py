@@ -394,8 +394,9 @@ def int8_gated_residual_cpu(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Ten
     if out is None:
         out = torch.empty(y_shape, dtype=torch.float32)
     if why is None:
-        why = _why_not_epilogue(TensorMeta.contiguous(y_shape, torch.float32, out.device),
-                                TensorMeta.of(gate), TensorMeta.of(residual), TensorMeta.of(out))
+        why = epilogue_why_not(TensorMeta.contiguous(y_shape, torch.float32, out.device),
+                               TensorMeta.of(gate), TensorMeta.of(residual), TensorMeta.of(out),
+                               "cpu")
     if why is None and scale_op not in _OPS:
         why = f"scale_op {scale_op!r} (None, 'mul' or 'div')"
     if why is not None:
@@ -414,10 +415,6 @@ def int8_gated_residual_cpu(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Ten
     return out
 
 
-def _why_not_epilogue(y, gate, residual, out) -> str | None:
-    return epilogue_why_not(y, gate, residual, out, "cpu")
-
-
 class Int8GatedResidualCPU:
     """``int8_gated_residual`` on the CPU (interface:
     ``fxbackend.patterns.int8_fusions.Int8GatedResidualFusion``): ``torch._int_mm`` and the
@@ -429,7 +426,7 @@ class Int8GatedResidualCPU:
         return _i8.linear_why_not(node)
 
     def why_not(self, y, gate, residual, out) -> str | None:
-        return _why_not_epilogue(y, gate, residual, out)
+        return epilogue_why_not(y, gate, residual, out, "cpu")
 
     @staticmethod
     def _compile_linear(linear) -> torch.dtype | None:

@@ -47,7 +47,8 @@ from typing import Any, Callable
 
 from .ir import Graph, Node, TensorMeta, node_deps, storage_root
 
-__all__ = ["CAT_OP", "POINTWISE_OPS", "ConcatPlan", "elide_identity_cats", "elide_identity_clones", "plan_concat"]
+__all__ = ["CAT_OP", "POINTWISE_OPS", "ConcatPlan", "elide_identity_cats", "elide_identity_clones",
+           "plan_concat"]
 
 CAT_OP = "aten.cat.default"
 _SLICE_OP = "aten.slice.Tensor"
@@ -153,6 +154,17 @@ def elide_identity_cats(graph: Graph, metas: Callable[[Node], Any]) -> int:
     return done
 
 
+def _reader_counts(graph: Graph) -> dict[Node, int]:
+    """``{node: how many steps read it, plus one if the graph hands it back}``."""
+    readers: dict[Node, int] = {}
+    for n in graph.nodes:
+        for d in set(node_deps(n)):
+            readers[d] = readers.get(d, 0) + 1
+    for o in {o for o in graph.outputs if isinstance(o, Node)}:
+        readers[o] = readers.get(o, 0) + 1
+    return readers
+
+
 #: elementwise ATen ops whose ``.out`` form writes any output strides with the same values: a
 #: clone of such a result, read by nothing else, can become the op's own output layout
 POINTWISE_OPS = frozenset(
@@ -179,12 +191,7 @@ def elide_identity_clones(graph: Graph, metas: Callable[[Node], Any],
     from .fusion import _replace_uses
     written = _written_roots(graph)
     outputs = {o for o in graph.outputs if isinstance(o, Node)}
-    readers: dict[Node, int] = {}
-    for n in graph.nodes:
-        for d in set(node_deps(n)):
-            readers[d] = readers.get(d, 0) + 1
-    for o in outputs:
-        readers[o] = readers.get(o, 0) + 1
+    readers = _reader_counts(graph)
     done = 0
     for c in list(graph.nodes):
         if c.op != "aten.clone.default" or c in outputs or len(c.srcs) != 1:
@@ -221,13 +228,7 @@ def plan_concat(graph: Graph, metas: Callable[[Node], Any], native: Callable[[No
     plan = ConcatPlan()
     written = _written_roots(graph)
     returned = _output_roots(graph)
-    readers: dict[Node, int] = {}
-    for n in graph.nodes:
-        for d in set(node_deps(n)):
-            readers[d] = readers.get(d, 0) + 1
-    for o in graph.outputs:
-        if isinstance(o, Node):
-            readers[o] = readers.get(o, 0) + 1
+    readers = _reader_counts(graph)
     for cat in graph.nodes:
         if cat.op != CAT_OP or not native(cat):
             continue

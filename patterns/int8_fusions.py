@@ -468,7 +468,7 @@ class Int8GatedResidualFusion(GatedResidualFusion):
         y_meta = dataclasses.replace(p.linear.meta, shape=p.y_shape,
                                      stride=contiguous_strides(p.y_shape), dtype=p.dtype)
         return dict(st, parts=p, in_place=in_place, y_meta=y_meta,
-                    extra={} if p.dtype == torch.float32 else {"dtype": p.dtype})
+                    extra=_dtype_kwargs(p.dtype))
 
     def compile(self, node) -> None:
         comp = getattr(self.impl, "compile", None)
@@ -497,6 +497,12 @@ class Int8GatedResidualFusion(GatedResidualFusion):
             acc = torch.empty((M, N), dtype=torch.int32, device=out.device)
         self.impl.run(qx, xs, qw, ws, bias, acc, value[p.gate], value[p.residual], out,
                       y_shape=p.y_shape, scale_op=p.scale_op, scale=p.scale, **st["extra"])
+
+
+def _dtype_kwargs(dtype: torch.dtype) -> dict:
+    """The ``dtype=`` keyword a kernel's ``run``/``compile`` gets for a 16-bit chain (none for
+    float32, so implementations without 16-bit support keep their signatures)."""
+    return {} if dtype == torch.float32 else {"dtype": dtype}
 
 
 def _linear_state(lin, srcs: dict, acc_in_workspace: bool) -> dict:
@@ -673,9 +679,8 @@ class Int8LinearActQuantizeFusion(_Int8LinearRule):
 
     def _state(self, node) -> dict:
         st = super()._state(node)
-        dt = st["chain"]["dtype"]
         return dict(st, act=st["chain"]["act"], qgroup=st["chain"]["group"],
-                    extra={} if dt == torch.float32 else {"dtype": dt})
+                    extra=_dtype_kwargs(st["chain"]["dtype"]))
 
     def compile(self, node) -> None:
         comp = getattr(self.impl, "compile_act", None)

@@ -40,12 +40,13 @@ import fxbackend
 from fxbackend import Node, TensorMeta
 from fxbackend.ir import storage_root
 
+from .attention import _cast
+
 __all__ = ["QuantizeW8A8", "linear_parts", "why_not_quantize", "group_for"]
 
 _LINEAR_I8 = "sd.linear_i8.v1"
 _QUANTIZE = "sd.quantize_i8_convrot.v1"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_TO_COPY = torch.ops.aten._to_copy.default
 
 
 def linear_parts(n: Node) -> tuple[Node, Node, Node | None] | None:
@@ -156,11 +157,7 @@ class QuantizeW8A8:
                                       after=n)
             if x.meta.dtype != torch.float32:  # the layer's own dtype: one rounding of the
                 # float32 result, as a 16-bit GEMM rounds its float32 accumulator
-                cast = graph.new_node("aten._to_copy.default", [new],
-                                      {"dtype": x.meta.dtype}, n.meta, target=_TO_COPY,
-                                      tensor_layout=(("self", 1),))
-                graph.insert(graph.nodes.index(new) + 1, cast)
-                new = cast
+                new = _cast(graph, new, x.meta.dtype, n.meta, graph.nodes.index(new) + 1)
             fxbackend.replace_uses(graph, n, new)
             done += 1
         return done
