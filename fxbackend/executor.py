@@ -31,7 +31,7 @@ from .concat import ConcatPlan, elide_identity_cats, elide_identity_clones, plan
 from .memory import MemoryPlan, buffers_of, plan_memory
 from .fusion import FusionReport, apply_fusions
 from .rewrite import RewriteContext, apply_rewrites
-from .native import call_args, out_overload
+from .native import call_args, out_is_copy, out_overload
 from .options import Options
 from .services import CancelToken, running
 from .streams import find_regions, region_lifetimes, worth_it
@@ -574,18 +574,31 @@ class Plan:
         return read
 
     def _bound_results(self) -> set:
-        """Native compute steps whose op has no ``.out`` overload (attention, ``arange``, ...).
-        Their result is used as it comes back, allocated by the op per call: copying it into
-        the arena would add a pass and save no memory (the op allocates it either way).  The
-        step function drops it after its last read."""
+        """Native compute steps whose op has no ``.out`` overload (attention, ``arange``, ...)
+        or only the generated one that computes and then copies (``convolution``,
+        ``native_layer_norm``: ``native.out_is_copy``; not ops with a ``_FAST_OUT`` binding,
+        e.g. relu's ``clamp_min(out=)``).  Their result is used as it comes back,
+        allocated by the op per call: copying it into the arena would add a pass and save no
+        memory (the op allocates it either way).  The step function drops it after its last
+        read."""
         bound = set()
         for n, k in self.kernels.items():
             if k is registry.NATIVE and n.view_of is None and n.inplace_of is None \
                     and isinstance(n.target, torch._ops.OpOverload) and not n.is_scalar \
                     and n.meta is not None and n.op not in ("aten._to_copy.default", _COPY_OP) \
-                    and not out_overload(n.target) and self._meta_result_matches(n):
+                    and (not out_overload(n.target) or n.op not in _FAST_OUT
+                         and out_is_copy(n.target, self._device_type(n))) \
+                    and self._meta_result_matches(n):
                 bound.add(n)
         return bound
+
+    def _device_type(self, n: Node) -> str:
+        """The device type of ``n``'s (first) tensor result, or "" when it has none."""
+        m = self.metas.get(n)
+        for t in (m if isinstance(m, tuple) else (m,)):
+            if isinstance(t, TensorMeta):
+                return getattr(t.device, "type", str(t.device))
+        return ""
 
     def _writes_strided(self, n: Node) -> bool:
         """``n``'s step writes correctly into an output of any strides: a native op through its

@@ -9,7 +9,7 @@ import torch
 from .ir import Node
 from .lower import is_tensor_type
 
-__all__ = ["out_overload", "call_args"]
+__all__ = ["out_overload", "out_is_copy", "call_args"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -36,6 +36,25 @@ def out_overload(op: torch._ops.OpOverload) -> tuple[Any, tuple[str, ...]] | Non
         if rest == want:
             return cand, tuple(a.name for a in outs)
     return None
+
+
+#: the dispatch key of a device type's own kernels
+_DISPATCH_KEY = {"cpu": "CPU", "cuda": "CUDA"}
+
+
+@functools.lru_cache(maxsize=None)
+def out_is_copy(op: torch._ops.OpOverload, device_type: str) -> bool:
+    """True when ``op``'s ``.out`` overload has no kernel of its own for ``device_type``, only
+    the generated composite one (``convolution``, ``native_layer_norm``, ``native_group_norm``,
+    ...): it calls the functional op and copies the result into ``out``, so a plan gains nothing
+    from it and loses one pass.  False without an ``.out`` overload or for unknown devices."""
+    found = out_overload(op)
+    key = _DISPATCH_KEY.get(device_type)
+    if found is None or key is None:
+        return False
+    name = found[0]._schema.name + "." + found[0]._overloadname
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    return has(name, "CompositeExplicitAutograd") and not has(name, key)
 
 
 def call_args(node: Node, src: Callable[[Node], Any], value: Callable[[Any], Any],

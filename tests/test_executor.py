@@ -323,6 +323,42 @@ def test_result_of_op_without_out_overload_is_used_as_returned(no_grad):
     assert fxbackend.stats()["copies"] == 0
 
 
+def test_result_of_op_whose_out_overload_only_copies_is_used_as_returned(no_grad):
+    # convolution.out and native_layer_norm.out are generated: they run the op, then copy its
+    # result into out. The plan calls the op itself and uses its result (no second pass).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    def fn(x, w, lw, lb):
+        y = F.conv2d(x, w, stride=2).flatten(2).transpose(1, 2)
+        return F.layer_norm(y, [6], lw, lb) * 2
+
+    args = [torch.randn(2, 3, 8, 8), torch.randn(6, 3, 2, 2), torch.randn(6), torch.randn(6)]
+    c = capture(fn, *args, exact=False)
+    conv = [n for n in c.graph.graph.nodes if n.op == "aten.convolution.default"]
+    norm = [n for n in c.graph.graph.nodes if n.op == "aten.native_layer_norm.default"]
+    assert len(conv) == 1 and len(norm) == 1
+    plan = c.graph.plan_for(args)
+    for n in conv + norm:
+        assert n.id in {b.id for b in plan._bound}
+        assert not any(k[0] == n.id for k in plan.memory.offsets), "no arena storage for it"
+    with Calls() as calls:  # the plan alone (Dynamo does not run under a dispatch mode)
+        (got,) = c.graph.run(args)
+    assert "aten.convolution.default" in calls.ops and "aten.convolution.out" not in calls.ops
+    assert "aten.native_layer_norm.out" not in calls.ops
+    assert_same(got, fn(*args), exact=False)
+    args[0] = torch.randn(2, 3, 8, 8)
+    assert_same(c.fn(*args), fn(*args), exact=False)
+
+
 def test_single_output_op_without_out_overload(no_grad):
     fn = lambda x: torch.ops.aten._safe_softmax(x * 2, -1) + 1  # noqa: E731
     c = capture(fn, torch.randn(4, 6))

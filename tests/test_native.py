@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fxbackend.executor import _FAST_OUT
-from fxbackend.native import out_overload
+from fxbackend.native import out_is_copy, out_overload
 
 
 def _resolve(name: str) -> torch._ops.OpOverload:
@@ -100,3 +100,20 @@ def test_numbers_in_tensor_arguments_stay_exact(dtype):
         assert o.dtype == r.dtype
         assert torch.equal(o, r)
     assert fxbackend.stats()["calls"] == 1
+
+
+@pytest.mark.parametrize("name,copies", [
+    ("aten.convolution.default", True),           # generated .out: the op, then a copy
+    ("aten.native_layer_norm.default", True),
+    ("aten.native_group_norm.default", True),
+    ("aten.addmm.default", False),                # a CPU kernel of its own
+    ("aten.mul.Tensor", False),
+    ("aten.cat.default", False),
+    ("aten._scaled_dot_product_flash_attention_for_cpu.default", False),  # no .out at all
+])
+def test_out_is_copy_on_cpu(name, copies):
+    assert out_is_copy(_resolve(name), "cpu") is copies
+
+
+def test_out_is_copy_unknown_device_is_false():
+    assert out_is_copy(_resolve("aten.convolution.default"), "xla") is False
