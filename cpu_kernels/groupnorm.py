@@ -288,13 +288,23 @@ def why_not(x: Any, w: Any, b: Any, out: Any, groups: Any, eps: Any) -> str | No
         return f"metadata not understood ({type(exc).__name__}: {exc})"
 
 
+def _layout(x: torch.Tensor) -> str | None:
+    """``memory_format_of(x)``, with torch's own contiguity flags first (a call costs about
+    4 us of Python; the flags 0.1 us)."""
+    if x.is_contiguous():
+        return "nchw"
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        return "nhwc"
+    return memory_format_of(x.shape, x.stride())
+
+
 def _launch(x, w, b, out, groups: int, eps: float, silu: bool) -> None:
     n, c = int(x.shape[0]), int(x.shape[1])
     numel = x.numel()
     if numel == 0:
         return
     hw = numel // (n * c)
-    cl = memory_format_of(x.shape, x.stride()) == "nhwc"
+    cl = _layout(x) == "nhwc"
     fn = _jit()[1 if cl else 0]
     _set_threads()
     fn(_flat(x, numel), _flat(w, c), _flat(b, c), _flat(out, numel), n, c, hw, groups,
@@ -360,7 +370,7 @@ class GroupNormCPU(GroupNormOpKernel):
 
     def execute(self, ctx, node, state, inputs, out, workspace) -> None:
         x, w, b = inputs
-        if memory_format_of(x.shape, x.stride()) != "nchw":
+        if _layout(x) != "nchw":
             # strides other than planned (behind Dynamo's guards): never write the wrong layout
             out.copy_(group_norm_silu_reference(x, w, b, node.params["groups"],
                                                 node.params["eps"], silu=False))

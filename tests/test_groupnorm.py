@@ -137,6 +137,29 @@ def test_memory_format_of():
     assert memory_format_of(one.shape, one.stride()) == "nchw"
 
 
+
+def test_launcher_layout_agrees_with_memory_format_of():
+    # the CPU launcher asks torch's contiguity flags first; every answer must be
+    # memory_format_of's, including size-1 dims with arbitrary strides and 3-D / 5-D tensors
+    from hypothesis import given, settings, strategies as st
+
+    from fxbackend.cpu_kernels.groupnorm import _layout
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.integers(1, 4), min_size=2, max_size=5), st.data())
+    def check(shape, data):
+        perm = data.draw(st.permutations(range(len(shape))))
+        base = torch.empty([shape[i] for i in perm]).permute(
+            *sorted(range(len(perm)), key=perm.__getitem__))
+        assert tuple(base.shape) == tuple(shape)
+        if data.draw(st.booleans()):  # now and then, a non-dense view
+            d = data.draw(st.integers(0, len(shape) - 1))
+            base = torch.empty([*shape[:d], 2 * shape[d], *shape[d + 1:]]).narrow(
+                d, 0, 2 * shape[d])[(slice(None),) * d + (slice(None, None, 2),)]
+        assert _layout(base) == memory_format_of(base.shape, base.stride())
+
+    check()
+
 # -- the Triton kernel in the interpreter ---------------------------------------------------------
 
 _INTERP_CASES = [
