@@ -1,7 +1,7 @@
 """The INT8 fusions on the CPU (``patterns/int8_fusions.py``): numba kernels registered at the
 bottom as the implementations of ``int8_gated_residual``, ``int8_linear_act_quantize``,
-``modulation_quantize``, ``rms_norm_quantize``, ``act_quantize`` and ``scale_quantize`` for
-"cpu".
+``int8_linear_act``, ``int8_linear_cast``, ``modulation_quantize``, ``rms_norm_quantize``,
+``act_quantize`` and ``scale_quantize`` for "cpu".
 
 Every kernel reuses the jitted helpers of the kernels whose chain it fuses, so that each value
 is computed by the same code in the same order (strict IEEE float32, ``fastmath=False``: no
@@ -29,7 +29,10 @@ the output is contiguous, else into workspace)::
 ``int8_linear_act_quantize`` computes the same ``y`` row from an accumulator in workspace, then
 ``round(act(y))`` and the quantize step below, so the float [M, N] hidden of a feed-forward is
 never written (measured 1.12x over ``sd.linear_i8.v1`` + ``fused.act_quantize`` at Flux's and
-SD3's FF-up sizes, 1024 rows, 2 threads).
+SD3's FF-up sizes, 1024 rows, 2 threads).  ``int8_linear_act`` stops after ``round(act(y))``,
+storing the row into its output (rows of any stride: Flux's single-stream MLP activation lands
+in its slice of the concatenation with the attention output), so the float linear output is
+not written and read back by a separate activation pass.
 
 The first line is one pass over the accumulator row into a per-task float32 scratch row (L1),
 the rest ``gated_residual``'s row functions over that scratch, so the accumulator row is read
@@ -96,7 +99,8 @@ from .rope import (_NP_OF, _bcast_offsets, _compile_lock, _flat, _load, _set_thr
 __all__ = ["int8_gated_residual_cpu", "int8_linear_act_quantize_cpu", "modulation_quantize_cpu",
            "rms_norm_quantize_cpu", "act_quantize_cpu", "compile_kernels",
            "Int8GatedResidualCPU", "Int8LinearActQuantizeCPU",
-           "ModulationQuantizeCPU", "RmsNormQuantizeCPU", "PrologueQuantizeCPU", "Int8LinearCastCPU"]
+           "ModulationQuantizeCPU", "RmsNormQuantizeCPU", "PrologueQuantizeCPU", "Int8LinearCastCPU",
+           "int8_linear_act_cpu", "Int8LinearActCPU"]
 
 #: ``numba.prange`` once numba is imported (see ``cpu_kernels/_numba.py``); ``range`` until then
 prange = range
@@ -222,6 +226,25 @@ def _i8_actq_kernel(acc, xs, ws, b, has_b, q, scales, m, mp, n, act, nst, inv, c
             _quantize_into(yv, rb, q, scales, ru, ku, nst, inv)
 
 
+def _i8_act_kernel(acc, xs, ws, b, has_b, out, m, n, osr, act, chunk, t):
+    """Rows 0 .. m-1 in tasks of ``chunk``: linear_i8's epilogue of accumulator row r (into the
+    scratch ``yv``), rounded to t's element type T (a 16-bit layer's cast; nothing for
+    float32), the activation (rounded to T), stored into ``out[r * osr:r * osr + n]`` (T's
+    element type; ``osr``: the output's row stride, e.g. a slice of a concatenation)."""
+    for task in prange(_tasks(m, chunk)):
+        yv = np.empty(n, np.float32)
+        r0, r1 = _task_rows(task, chunk, m)
+        for row in range(r0, r1):
+            ar = acc[row * n:row * n + n]
+            _epilogue_row(yv, ar, xs[row], ws, b, has_b, n)
+            for e in range(n):
+                yv[e] = _round_as(t, yv[e])
+            _activate(t, yv, n, act)
+            orow = out[row * osr:row * osr + n]
+            for e in range(n):
+                _store(orow, e, yv[e])
+
+
 def _modq_kernel(x, s, h, q, scales, bt, d, xfs, sfs, hfs, eps, is_rms, has_add, c, m, mp,
                  nst, inv, chunk):
     """Packed rows 0 .. mp-1 in tasks of ``chunk``: rows below m modulated exactly as
@@ -317,6 +340,7 @@ def _build(numba) -> dict:
     _numba.inline(_activate, _epilogue_row, _quantize_into, _task_rows, _scratch_rows)
     return dict(gr=_numba.njit(_i8_gr_kernel), mod=_numba.njit(_modq_kernel),
                 actq=_numba.njit(_i8_actq_kernel, error_model="numpy"),
+                act=_numba.njit(_i8_act_kernel, error_model="numpy"),
                 rms=_numba.njit(_rmsq_kernel),
                 # error_model="numpy": no ZeroDivisionError checks in the activations' loops
                 # (their divisions are never by zero), which LLVM then vectorises
@@ -368,6 +392,14 @@ def _gr_launch(acc, xs, ws, bias, gate, res, out, y_shape, scale_op, scale,
 
 def _gemm(qx: torch.Tensor, qw: torch.Tensor, acc: torch.Tensor) -> None:
     torch._int_mm(qx, qw.t(), out=acc)
+
+
+def _gemm_checked(qx: torch.Tensor, qw: torch.Tensor, acc: torch.Tensor) -> None:
+    """The GEMM phase of a fused step, with the plan's cancellation checked before and
+    after it (between the phases)."""
+    _check_cancelled()
+    _gemm(qx, qw, acc)
+    _check_cancelled()
 
 
 def int8_gated_residual_cpu(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
@@ -451,13 +483,30 @@ class Int8GatedResidualCPU:
 
     def run(self, qx, xs, qw, ws, bias, acc, gate, residual, out, *, y_shape, scale_op, scale,
             dtype=torch.float32):
-        _check_cancelled()
-        _gemm(qx, qw, acc)
-        _check_cancelled()
+        _gemm_checked(qx, qw, acc)
         _gr_launch(acc, xs, ws, bias, gate, residual, out, y_shape, scale_op, scale, dtype)
 
 
 # -- int8_linear_act_quantize ----------------------------------------------------------------------
+
+def _int8_call_metas(who, qx, x_scale, w, w_scale, bias) -> tuple:
+    """``(metas, M, N)`` of a public fused call's int8 operands (``check_linear``'s errors
+    name ``who``)."""
+    metas = [TensorMeta.of(t) for t in (qx, w, w_scale, x_scale)] + \
+        [None if bias is None else TensorMeta.of(bias)]
+    M, K, N, _ = check_linear(*metas, x_kind="int8", w_kind="int8", group=1, m=-1, lead=(),
+                              who=who)
+    return (metas, M, K, N), M, N
+
+
+def _int8_call_check(who, metas, why_out) -> None:
+    """ValueError naming ``who`` where the kernels do not take the linear (``metas`` from
+    :func:`_int8_call_metas`) or the output (``why_out``)."""
+    (m, M, K, N) = metas
+    why = _i8._why_not_linear(*m[:2], m[2], m[3], m[4], "int8", "int8", M, K, N) or why_out
+    if why is not None:
+        raise ValueError(f"{who}: unsupported input: {why}")
+
 
 def _actq_launch(acc, xs, ws, bias, out, act, group, dtype=torch.float32) -> None:
     m, n = acc.shape
@@ -486,17 +535,11 @@ def int8_linear_act_quantize_cpu(qx: torch.Tensor, x_scale: torch.Tensor, w: tor
     if dtype not in Int8LinearActQuantizeCPU.act_dtypes:
         raise ValueError(f"int8_linear_act_quantize_cpu: dtype {dtype} (float32, bfloat16 or "
                          f"float16)")
-    metas = [TensorMeta.of(t) for t in (qx, w, w_scale, x_scale)] + \
-        [None if bias is None else TensorMeta.of(bias)]
-    M, K, N, _ = check_linear(metas[0], metas[1], metas[2], metas[3], metas[4], x_kind="int8",
-                              w_kind="int8", group=1, m=-1, lead=(),
-                              who="int8_linear_act_quantize_cpu")
+    who = "int8_linear_act_quantize_cpu"
+    metas, M, N = _int8_call_metas(who, qx, x_scale, w, w_scale, bias)
     if out is None:
         out = torch.empty(packed_nbytes(M, N), dtype=torch.int8)
-    why = _i8._why_not_linear(*metas[:2], metas[2], metas[3], metas[4], "int8", "int8", M, K,
-                              N) or _why_not_act(M, N, TensorMeta.of(out), act, group)
-    if why is not None:
-        raise ValueError(f"int8_linear_act_quantize_cpu: unsupported input: {why}")
+    _int8_call_check(who, metas, _why_not_act(M, N, TensorMeta.of(out), act, group))
     acc = torch.empty(M, N, dtype=torch.int32)
     _gemm(qx, w, acc)
     _actq_launch(acc, x_scale, w_scale, bias, out, act, group, dtype)
@@ -530,9 +573,7 @@ class Int8LinearActQuantizeCPU(Int8GatedResidualCPU):
 
     def run_act(self, qx, xs, qw, ws, bias, acc, out, *, act, group,
                 dtype=torch.float32) -> None:
-        _check_cancelled()
-        _gemm(qx, qw, acc)
-        _check_cancelled()
+        _gemm_checked(qx, qw, acc)
         _actq_launch(acc, xs, ws, bias, out, act, group, dtype)
 
 
@@ -557,11 +598,92 @@ class Int8LinearCastCPU(Int8GatedResidualCPU):
         _i8.compile_kernels(None, self._compile_linear(linear), out_dtype=dtype)
 
     def run_cast(self, qx, xs, qw, ws, bias, acc, out) -> None:
-        _check_cancelled()
-        _gemm(qx, qw, acc)
-        _check_cancelled()
+        _gemm_checked(qx, qw, acc)
         m, n = acc.shape
         _i8._epilogue(acc, out, xs, ws, bias, m, n)
+
+
+# -- int8_linear_act -------------------------------------------------------------------------------
+
+def _act_launch(acc, xs, ws, bias, out, act, dtype=torch.float32) -> None:
+    m, n = acc.shape
+    if m == 0:
+        return
+    try:
+        rows = out.view(m, n)  # the leading dims collapse to rows of one stride
+    except RuntimeError:
+        rows = None
+    if rows is None or rows.stride(1) != 1:  # never written wrongly: through a temporary
+        tmp = torch.empty(m, n, dtype=out.dtype)
+        _act_launch(acc, xs, ws, bias, tmp, act, dtype)
+        out.copy_(tmp.view(out.shape))
+        return
+    osr = rows.stride(0) if m > 1 else n
+    k = _jit()["act"]
+    chunk = _chunk(m, n, _set_threads())
+    b = _flat(bias, n) if bias is not None else np.zeros(0, np.float32)
+    k(_flat(acc, m * n), _flat(xs, m), _flat(ws, n), b, bias is not None,
+      _flat(rows, (m - 1) * osr + n), m, n, osr, _ACT_ID[act], chunk,
+      np.zeros(0, _NP_OF[dtype]))
+
+
+def int8_linear_act_cpu(qx: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
+                        w_scale: torch.Tensor, bias: torch.Tensor | None = None, *, act: str,
+                        out: torch.Tensor | None = None,
+                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``act(linear_i8(qx, w))`` for int8 rows ``qx [M, K]`` with their float32 scales and an
+    int8 weight ``w [N, K]`` with ``w_scale [N]``: ``torch._int_mm`` into a temporary
+    accumulator, then one pass per row into ``out`` (``[M, N]`` of ``dtype``, rows of any
+    stride; a new tensor when None).  ``dtype`` bfloat16/float16: a 16-bit layer's chain (the
+    linear's value cast to it, the activation computed on that and rounded to it).  ValueError
+    for inputs the kernels do not take."""
+    if dtype not in Int8LinearActCPU.act_out_dtypes:
+        raise ValueError(f"int8_linear_act_cpu: dtype {dtype} (float32, bfloat16 or float16)")
+    who = "int8_linear_act_cpu"
+    metas, M, N = _int8_call_metas(who, qx, x_scale, w, w_scale, bias)
+    if out is None:
+        out = torch.empty(M, N, dtype=dtype)
+    _int8_call_check(who, metas, _why_not_act_out(M, N, TensorMeta.of(out), act, dtype))
+    acc = torch.empty(M, N, dtype=torch.int32)
+    _gemm(qx, w, acc)
+    _act_launch(acc, x_scale, w_scale, bias, out, act, dtype)
+    return out
+
+
+def _why_not_act_out(m, n, out, act, dtype) -> str | None:
+    if act not in PRE_ACTS:
+        return f"activation {act!r} (one of {PRE_ACTS})"
+    if out.dtype != dtype or out.device.type != "cpu":
+        return f"the output is {out.dtype} on {out.device}, not {dtype} on the CPU"
+    if out.numel != m * n or (out.shape and out.shape[-1] != n):
+        return f"the output {out.short()} does not hold [{m}, {n}] rows"
+    return None
+
+
+class Int8LinearActCPU(Int8GatedResidualCPU):
+    """``int8_linear_act`` on the CPU (interface:
+    ``fxbackend.patterns.int8_fusions.Int8LinearActFusion``): ``torch._int_mm`` into workspace,
+    then one numba pass (epilogue, activation, store); cancellation is checked between the
+    phases.  Writes rows of any stride (a slice of a concatenation: ``strided_out``)."""
+
+    name = "int8_linear_act_cpu"
+    strided_out = True
+    #: chain dtypes this kernel fuses (a 16-bit layer's cast rounds the linear's value)
+    act_out_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+
+    def why_not_act_out(self, m, n, out, act, dtype) -> str | None:
+        try:
+            return _why_not_act_out(m, n, out, act, dtype)
+        except Exception as exc:
+            return f"metadata not understood ({type(exc).__name__}: {exc})"
+
+    def compile_linear_act(self, linear, act, dtype=torch.float32) -> None:
+        compile_kernels("act", self._compile_linear(linear), dtype)
+
+    def run_linear_act(self, qx, xs, qw, ws, bias, acc, out, *, act,
+                       dtype=torch.float32) -> None:
+        _gemm_checked(qx, qw, acc)
+        _act_launch(acc, xs, ws, bias, out, act, dtype)
 
 
 # -- the quantize-feeding kernels: launchers -------------------------------------------------------
@@ -747,8 +869,8 @@ def act_quantize_cpu(x: torch.Tensor, other: torch.Tensor | None = None,
 
 def compile_kernels(kind: str, dtype: torch.dtype | None, other_dtype=None) -> None:
     """Compile (or load from the disk cache) one kernel of this file by a call with no rows on
-    exactly the types a launch passes: ``kind`` "gr" / "actq" (``dtype``: the bias's, None: no
-    bias; ``other_dtype``: the chain's dtype, None: float32),
+    exactly the types a launch passes: ``kind`` "gr" / "actq" / "act" (``dtype``: the bias's,
+    None: no bias; ``other_dtype``: the chain's dtype, None: float32),
     "mod" / "pre" (x's dtype), "rms" (x's dtype; ``other_dtype``: ``(weight dtype or None,
     the norm's output dtype)``).  Thread-safe."""
     k = _jit()[kind]
@@ -765,6 +887,10 @@ def compile_kernels(kind: str, dtype: torch.dtype | None, other_dtype=None) -> N
             b = np.zeros(0, _NP_OF[dtype or torch.float32])
             k(np.zeros(0, np.int32), z32, z32, b, dtype is not None, q, z32, 0, 0, 4, 1, 1,
               np.float32(0.5), 1, np.zeros(0, _NP_OF[other_dtype or torch.float32]))
+        elif kind == "act":
+            b = np.zeros(0, _NP_OF[dtype or torch.float32])
+            y = np.zeros(0, _NP_OF[other_dtype or torch.float32])
+            k(np.zeros(0, np.int32), z32, z32, b, dtype is not None, y, 0, 4, 4, 1, 1, y)
         elif kind == "mod":
             a = np.zeros(0, _NP_OF[dtype])
             k(a, a, a, q, z32, bt, 4, 1, 1, 1, np.float32(1e-6), False, True, np.float32(1.0),
@@ -780,7 +906,7 @@ def compile_kernels(kind: str, dtype: torch.dtype | None, other_dtype=None) -> N
               np.zeros((1, 3), np.int64), 4, np.float32(1e-6), w_dtype is not None, 0, 0, 1,
               np.float32(0.5), 1)
         else:
-            raise ValueError(f"compile_kernels: kind {kind!r} (gr, actq, mod, pre, rms)")
+            raise ValueError(f"compile_kernels: kind {kind!r} (gr, actq, act, mod, pre, rms)")
 
 
 # -- the quantize-feeding implementations ----------------------------------------------------------
@@ -859,4 +985,4 @@ class PrologueQuantizeCPU:
 
 register_int8_fusions("cpu", Int8GatedResidualCPU(), Int8LinearActQuantizeCPU(),
                       ModulationQuantizeCPU(), RmsNormQuantizeCPU(), PrologueQuantizeCPU(),
-                      linear_cast=Int8LinearCastCPU())
+                      linear_cast=Int8LinearCastCPU(), linear_act=Int8LinearActCPU())

@@ -11,6 +11,8 @@ go to memory:
     #                                                       =>  fused.int8_gated_residual
     # sd.linear_i8 -> views* -> gelu|gelu_tanh|silu|sigmoid -> [clone] -> views* -> quantize
     #                                                       =>  fused.int8_linear_act_quantize
+    # sd.linear_i8 -> views* -> gelu|gelu_tanh|silu|sigmoid =>  fused.int8_linear_act
+    # sd.linear_i8 -> _to_copy bf16|fp16                    =>  fused.int8_linear_cast
     # norm [no affine] -> [add(s, c) -> views] -> mul -> add -> views* -> quantize
     #                                                       =>  fused.modulation_quantize
     # sd.rms_norm.v1(x[, w]) -> views* -> quantize          =>  fused.rms_norm_quantize
@@ -37,7 +39,10 @@ compete only with the float rules that start at the same node):
   one matches; no other rule starts at a standalone activation or at a scalar multiply
   followed by a quantize step; ``scale_cast`` starts at a scalar multiply followed by a cast).
   ``int8_linear_act_quantize`` is tried at the linear, before ``act_quantize`` sees the
-  activation (matching goes left to right), so it takes the longer chain.
+  activation (matching goes left to right), so it takes the longer chain;
+- ``int8_linear_act`` 5 and ``int8_linear_cast`` 4: the same start, shorter chains (a 16-bit
+  layer's linear -> cast -> activation goes to ``int8_linear_act``, a cast alone to
+  ``int8_linear_cast``).
 
 Bit-exactness (what "the unfused chain" means for each):
 
@@ -53,6 +58,10 @@ Bit-exactness (what "the unfused chain" means for each):
 - ``rms_norm_quantize``: equal to the ``sd.rms_norm.v1`` kernel followed by the quantize kernel;
 - ``int8_linear_act_quantize``: ``linear_i8``'s epilogue, then ``act_quantize``'s maths: equal
   to ``sd.linear_i8.v1`` followed by ``fused.act_quantize``;
+- ``int8_linear_act``: ``linear_i8``'s epilogue, then the same activation maths (a few float32
+  ulp from torch's activation, as for ``act_quantize`` below), rounded to the chain's dtype;
+- ``int8_linear_cast``: ``linear_i8``'s epilogue rounded once to the 16-bit dtype: equal to
+  ``sd.linear_i8.v1`` followed by the cast;
 - ``act_quantize``: the activation is computed by the project's activation maths
   (``cpu_kernels/activation.py`` / ``cuda_kernels/activation.py``: written-out exp/tanh/erf,
   a few float32 ulp from torch's vectorised ones), so a code may differ by one step from the
@@ -87,7 +96,7 @@ from .rmsnorm import RmsNorm, rms_norm_reference
 
 __all__ = ["QUANTIZE", "LINEAR_I8", "PRE_ACTS", "Int8GatedResidualFusion",
            "Int8LinearActQuantizeFusion", "int8_linear_act_quantize_reference",
-           "Int8LinearCastFusion",
+           "Int8LinearCastFusion", "Int8LinearActFusion",
            "ModulationQuantizeFusion", "RmsNormQuantizeFusion", "ActQuantizeFusion",
            "ScaleQuantizeFusion", "register_int8_fusions", "int8_gated_residual_reference",
            "packed_out",
@@ -579,6 +588,43 @@ class _Int8LinearRule:
         return st, st["ws_bytes"]
 
 
+def _linear_act_at(nodes, i):
+    """``(linear, cast or None, activation node, act, its index)`` for the run ``sd.linear_i8
+    -> [_to_copy bf16|fp16] -> row views* -> gelu|gelu_tanh|silu|sigmoid`` starting at
+    ``nodes[i]``, or None."""
+    lin = nodes[i]
+    if not Int8GatedResidualFusion._starts(lin):
+        return None
+    k, prev, cast = i + 1, lin, None
+    if k < len(nodes) and _is_cast_of(nodes[k], lin):  # a 16-bit layer
+        cast = prev = nodes[k]
+        k += 1
+    while k < len(nodes) and _is_row_view(nodes[k], prev):
+        prev = nodes[k]
+        k += 1
+    if k >= len(nodes):
+        return None
+    act_node = nodes[k]
+    act = _pre_act_of(act_node)
+    if act is None or act_node.srcs != [prev] or _tensor(act_node) is None or \
+            (act_node.op == "aten.gelu.default" and set(act_node.params) - {"approximate"}):
+        return None
+    return lin, cast, act_node, act, k
+
+
+def _linear_act_users(users, lin) -> list | None:
+    """By dataflow (single users): ``[lin, cast?, row views*, activation]`` after the
+    ``sd.linear_i8`` node ``lin``, or None when no activation follows that way."""
+    chain, u = [lin], _one_user(users, lin)
+    if u is not None and _is_cast_of(u, lin):
+        chain.append(u)
+        u = _one_user(users, u)
+    while u is not None and _is_row_view(u, chain[-1]):
+        chain.append(u)
+        u = _one_user(users, u)
+    return chain + [u] if u is not None and _pre_act_of(u) is not None else None
+
+
 class Int8LinearActQuantizeFusion(_Int8LinearRule):
     """Fusion rule ``int8_linear_act_quantize``::
 
@@ -608,23 +654,10 @@ class Int8LinearActQuantizeFusion(_Int8LinearRule):
     rule_name = "int8_linear_act_quantize"
 
     def _chain(self, nodes, i):
-        lin = nodes[i]
-        if not Int8GatedResidualFusion._starts(lin):
+        found = _linear_act_at(nodes, i)
+        if found is None:
             return None
-        k, prev, cast = i + 1, lin, None
-        if k < len(nodes) and _is_cast_of(nodes[k], lin):  # a 16-bit layer
-            cast = prev = nodes[k]
-            k += 1
-        while k < len(nodes) and _is_row_view(nodes[k], prev):
-            prev = nodes[k]
-            k += 1
-        if k >= len(nodes):
-            return None
-        act_node = nodes[k]
-        act = _pre_act_of(act_node)
-        if act is None or act_node.srcs != [prev] or _tensor(act_node) is None or \
-                (act_node.op == "aten.gelu.default" and set(act_node.params) - {"approximate"}):
-            return None
+        lin, cast, act_node, act, k = found
         k, last = k + 1, act_node
         if k < len(nodes) and _is_clone_of(nodes[k], last):
             last = nodes[k]
@@ -660,18 +693,11 @@ class Int8LinearActQuantizeFusion(_Int8LinearRule):
         try:
             users = graph.users()
             for lin in [n for n in graph.nodes if n.op == LINEAR_I8]:
-                chain, u = [lin], _one_user(users, lin)
-                if u is not None and _is_cast_of(u, lin):
-                    chain.append(u)
-                    u = _one_user(users, u)
-                while u is not None and _is_row_view(u, chain[-1]):
-                    chain.append(u)
-                    u = _one_user(users, u)
-                if u is None or _pre_act_of(u) is None:
+                chain = _linear_act_users(users, lin)
+                if chain is None:
                     continue
-                chain.append(u)
-                c = _one_user(users, u)
-                if c is not None and _is_clone_of(c, u):
+                c = _one_user(users, chain[-1])
+                if c is not None and _is_clone_of(c, chain[-1]):
                     chain.append(c)
                 _gather_to_quantize(graph, users, chain)
         except Exception:
@@ -694,6 +720,109 @@ class Int8LinearActQuantizeFusion(_Int8LinearRule):
         qx, xs, qw, ws, bias = _linear_operands(self.impl, st, st["srcs"], value, workspace)
         self.impl.run_act(qx, xs, qw, ws, bias, _acc_view(st, workspace), out, act=st["act"],
                           group=st["qgroup"], **st["extra"])
+
+
+class Int8LinearActFusion(_Int8LinearRule):
+    """Fusion rule ``int8_linear_act``::
+
+        # sd.linear_i8 -> [_to_copy bf16|fp16] -> views* -> gelu|gelu_tanh|silu|sigmoid
+        #   =>  fused.int8_linear_act: torch._int_mm into workspace, then ONE pass per row
+
+    An activation after a quantized linear whose result is not quantized next (where it is,
+    the rule declines: ``int8_linear_act_quantize`` or ``act_quantize`` takes it): Flux's
+    single-stream MLP (``proj_mlp`` -> GELU(tanh), concatenated with the attention output
+    before ``proj_out``).  Each row is scaled (``linear_i8``'s epilogue), activated
+    (``int8_linear_act_quantize``'s activation maths) and stored, so the float linear output
+    is never written and read back by a separate activation pass.  Equal to
+    ``sd.linear_i8.v1`` followed by the project's activation kernels' maths (a few float32 ulp
+    from torch's vectorised activation, as ``act_quantize`` is; see the module docstring).
+    Priority 5: below ``int8_linear_act_quantize`` and ``int8_gated_residual`` (6), whose
+    chains start the same way and go further; above ``int8_linear_cast`` (4), which would take
+    a 16-bit layer's cast alone.
+
+    ``impl``: as :class:`Int8GatedResidualFusion`'s for ``name``, ``why_not_linear``,
+    ``quantize``; ``why_not_act_out(m, n, out, act, dtype)`` (``out`` the activation's
+    metadata; never raises); ``act_out_dtypes`` (the chain dtypes it fuses); optional
+    ``compile_linear_act(linear, act, dtype)``; ``run_linear_act(qx, xs, qw, ws, bias, acc,
+    out, *, act, dtype)``: the GEMM into ``acc`` (int32 workspace) and the pass into ``out``
+    (``strided_out`` on the implementation: any row stride).  A device registers this rule
+    only when its implementation has these (``register_int8_fusions``'s ``linear_act``).
+    """
+
+    priority = 5
+    rule_name = "int8_linear_act"
+
+    def __init__(self, impl) -> None:
+        super().__init__(impl)
+        #: the kernel writes rows of any stride (a slice of a concatenation)
+        self.strided_out = bool(getattr(impl, "strided_out", False))
+
+    def _chain(self, nodes, i):
+        found = _linear_act_at(nodes, i)
+        if found is None:
+            return None
+        lin, cast, act_node, act, k = found
+        return dict(linear=lin, act=act, value=act_node, nodes=nodes[i:k + 1],
+                    srcs=linear_srcs(lin.srcs, lin.params),
+                    dtype=torch.float32 if cast is None else cast.meta.dtype)
+
+    def match(self, graph, i: int):
+        def find():
+            ch = self._chain(graph.nodes, i)
+            if ch is not None:
+                users, last = graph.users(), ch["value"]
+                c = _one_user(users, last)
+                if c is not None and _is_clone_of(c, last):
+                    last = c
+                ch["feeds_quantize"] = _follow_to_quantize(users, last) is not None
+            return ch
+        return _match_answer(find, self._why_not)
+
+    def _why_not(self, ch) -> str | None:
+        lin, v, dt = ch["linear"].meta, ch["value"].meta, ch["dtype"]
+        if ch.get("feeds_quantize"):
+            return ("the activation feeds a quantize step (int8_linear_act_quantize or "
+                    "act_quantize takes it)")
+        if not isinstance(v, TensorMeta) or v.dtype != dt or v.is_symbolic:
+            return f"the activation is not a concrete {dt} tensor"
+        if dt not in getattr(self.impl, "act_out_dtypes", (torch.float32,)):
+            return f"{self.impl.name}: no kernel for {dt} chains"
+        if v.numel != lin.numel or v.shape[-1] != lin.shape[-1]:
+            return "the activation's rows are not the linear's"
+        why = self.impl.why_not_linear(ch["linear"])
+        if why is None:
+            n = lin.shape[-1]
+            why = self.impl.why_not_act_out(lin.numel // n, n, v, ch["act"], dt)
+        return None if why is None else f"{self.impl.name}: {why}"
+
+    def optimize(self, graph) -> None:
+        """Move each linear (and its cast and views) down to just before the activation that
+        reads it.  Never raises."""
+        try:
+            users = graph.users()
+            for lin in [n for n in graph.nodes if n.op == LINEAR_I8]:
+                chain = _linear_act_users(users, lin)
+                if chain is not None:
+                    _gather(graph, chain)
+        except Exception:
+            return
+
+    def _state(self, node) -> dict:
+        st = super()._state(node)
+        return dict(st, act=st["chain"]["act"], extra=_dtype_kwargs(st["chain"]["dtype"]))
+
+    def compile(self, node) -> None:
+        comp = getattr(self.impl, "compile_linear_act", None)
+        if comp is not None:
+            st = self._state(node)
+            comp(st["linear"], st["act"], **st["extra"])
+
+    def execute(self, ctx, node, state, inputs, out, workspace) -> None:
+        st = state
+        value = dict(zip(node.srcs, inputs))
+        qx, xs, qw, ws, bias = _linear_operands(self.impl, st, st["srcs"], value, workspace)
+        self.impl.run_linear_act(qx, xs, qw, ws, bias, _acc_view(st, workspace), out,
+                                 act=st["act"], **st["extra"])
 
 
 def _cast_why_not(n) -> str | None:
@@ -738,9 +867,9 @@ class Int8LinearCastFusion(_Int8LinearRule):
     A 16-bit linear under ``quantize="w8a8"`` (``patterns/quantize.py``) is the float32
     ``sd.linear_i8.v1`` step followed by a cast to the layer's dtype; fused, the epilogue rounds
     each float32 value once into the 16-bit output, so the float32 [M, N] result is never
-    written and read back.  Bit-exact to the pair.  Priority 5: below
-    ``int8_linear_act_quantize`` (6), which takes the cast too when an activation and a
-    quantize step follow it.
+    written and read back.  Bit-exact to the pair.  Priority 4: below
+    ``int8_linear_act_quantize`` (6) and ``int8_linear_act`` (5), which take the cast too when
+    an activation (and a quantize step) follows it.
 
     ``impl``: as :class:`Int8GatedResidualFusion`'s for ``name``, ``why_not_linear``,
     ``quantize``; ``why_not_cast(out)`` (the cast's metadata; never raises); optional
@@ -749,7 +878,7 @@ class Int8LinearCastFusion(_Int8LinearRule):
     only when its implementation has these (``register_int8_fusions``'s ``linear_cast``).
     """
 
-    priority = 5
+    priority = 4
     rule_name = "int8_linear_cast"
 
     def _chain(self, nodes, i):
@@ -1215,12 +1344,16 @@ class ReferenceQuantizeImpl:
 
 
 def register_int8_fusions(device: str, gated_residual, linear_act_quantize, modulation_quantize,
-                          rms_norm_quantize, prologue_quantize, linear_cast=None) -> None:
+                          rms_norm_quantize, prologue_quantize, linear_cast=None,
+                          linear_act=None) -> None:
     """Register this file's rules for ``device`` with that device's implementation objects
     (``prologue_quantize`` serves both ``act_quantize`` and ``scale_quantize``;
-    ``int8_linear_cast`` only when ``linear_cast`` is given)."""
+    ``int8_linear_cast`` only when ``linear_cast`` is given, ``int8_linear_act`` only when
+    ``linear_act`` is)."""
     if linear_cast is not None:
         fxbackend.register_fusion(device, Int8LinearCastFusion(linear_cast))
+    if linear_act is not None:
+        fxbackend.register_fusion(device, Int8LinearActFusion(linear_act))
     fxbackend.register_fusion(device, Int8GatedResidualFusion(gated_residual))
     fxbackend.register_fusion(device, Int8LinearActQuantizeFusion(linear_act_quantize))
     fxbackend.register_fusion(device, ModulationQuantizeFusion(modulation_quantize))

@@ -115,8 +115,9 @@ def test_tiny_models_quantize_every_linear_and_stay_close(family):
     n_linear = sum(isinstance(mod, nn.Linear) for mod in model.modules())
     assert s["rewrites_by_rule"]["quantize_w8a8"] == n_linear
     fused = s["fusions_by_rule"]  # integer GEMMs that the int8 fusions absorbed
-    assert s["steps_by_kernel"]["linear_i8_cpu"] + fused.get("int8_gated_residual", 0) + \
-        fused.get("int8_linear_act_quantize", 0) == n_linear
+    assert s["steps_by_kernel"]["linear_i8_cpu"] + sum(
+        fused.get(r, 0) for r in ("int8_gated_residual", "int8_linear_act_quantize",
+                                  "int8_linear_act", "int8_linear_cast")) == n_linear
     assert s["steps_by_kernel"]["quantize_i8_convrot_cpu"] < n_linear  # shared by Q, K, V
     cos = torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0).item()
     assert cos > 0.999
