@@ -80,7 +80,7 @@ def _build(numba):
 
     overload(_fma, strict=False)(
         lambda a, b, c: lambda a, b, c: fma32(np.float32(a), np.float32(b), np.float32(c)))
-    for fn in (_expf, _silu, _finish, _scale_bias):
+    for fn in (_expf, _silu, _finish, _channel_scale_bias, _scale_bias):
         register_jitable(fn)
     _numba.reassoc(_moments_run)  # the sums alone may be reordered (vectorised partial sums)
     return _numba.njit(_gn_nchw_kernel), _numba.njit(_gn_nhwc_kernel)
@@ -164,13 +164,18 @@ def _finish(x0, s1, s2, m, eps):
     return np.float32(np.float64(x0) + d1), np.float32(1.0 / math.sqrt(var + eps))
 
 
+def _channel_scale_bias(w, b, ch, mean, rstd):
+    """Channel ``ch``'s ``(scale, bias)``: ``scale = rstd * w``, ``bias = fma(-scale, mean,
+    b)`` (torch's form)."""
+    sc = rstd * _load(w, ch)
+    return sc, _fma(-sc, mean, _load(b, ch))
+
+
 def _scale_bias(w, b, c0, d, mean, rstd, scale, bias, s0):
-    """Per channel ``c0 + j`` (j < d): ``scale = rstd * w``, ``bias = fma(-scale, mean, b)``
-    into ``scale[s0 + j]``, ``bias[s0 + j]`` (torch's form)."""
+    """:func:`_channel_scale_bias` of channels ``c0 + j`` (j < d) into ``scale[s0 + j]``,
+    ``bias[s0 + j]``."""
     for j in range(d):
-        sc = rstd * _load(w, c0 + j)
-        scale[s0 + j] = sc
-        bias[s0 + j] = _fma(-sc, mean, _load(b, c0 + j))
+        scale[s0 + j], bias[s0 + j] = _channel_scale_bias(w, b, c0 + j, mean, rstd)
 
 
 def _gn_nchw_kernel(x, w, b, out, nb, c, hw, groups, eps, silu):
@@ -185,15 +190,11 @@ def _gn_nchw_kernel(x, w, b, out, nb, c, hw, groups, eps, silu):
         x0 = _load(x, base)
         s1, s2 = _moments_run(x, base, m, x0)
         mean, rstd = _finish(x0, s1, s2, m, eps)
-        scale = np.empty(d, np.float32)
-        bias = np.empty(d, np.float32)
-        _scale_bias(w, b, c0, d, mean, rstd, scale, bias, 0)
         for j in range(d):
             o = base + j * hw
             xr = x[o:o + hw]
             orow = out[o:o + hw]
-            sc = scale[j]
-            bi = bias[j]
+            sc, bi = _channel_scale_bias(w, b, c0 + j, mean, rstd)  # no arrays per task
             if silu:
                 for k in range(hw):
                     _store(orow, k, _silu(_round_as(xr, _fma(_load(xr, k), sc, bi))))
