@@ -18,8 +18,10 @@ helpers besides ``register_jitable``.
 Disk cache.  numba caches each kernel on disk keyed on the source file of the kernel function
 (its path, size and modification time) and the bytecode of that function alone: a change to a
 helper it inlines from another file (rope's ``_load``/``_store``, rmsnorm's ``_round_as``,
-...) or to this file does not invalidate the cached kernel.  After such a change, touch the
-dependent kernel files or clear :func:`numba_cache_dir`.
+...) or to this file would not invalidate the cached kernel.  So the default cache folder
+(:func:`numba_cache_dir`) is named after a digest of every kernel source file of this package:
+any edit to any of them (an upgrade of fxbackend included) starts a new, empty folder.  A
+``NUMBA_CACHE_DIR`` set by the user is used as it is (clear it after editing the kernels).
 """
 from __future__ import annotations
 
@@ -29,8 +31,8 @@ import tempfile
 import threading
 from typing import Any, Callable
 
-__all__ = ["numba_cache_dir", "import_numba", "once", "njit", "inline", "reassoc", "warm_up",
-           "concurrency_blocker"]
+__all__ = ["numba_cache_dir", "sources_digest", "import_numba", "once", "njit", "inline",
+           "reassoc", "warm_up", "concurrency_blocker"]
 
 #: the options of every kernel: parallel, cached on disk, strict IEEE float32 (no FMA
 #: contraction, no reordering: ``fastmath=False``), releasing the GIL
@@ -42,11 +44,32 @@ _lock = threading.RLock()
 
 def numba_cache_dir() -> str:
     """Where numba caches compiled kernels: ``$NUMBA_CACHE_DIR`` when set, else
-    ``$XDG_CACHE_HOME/fxbackend/numba`` (default ``~/.cache/fxbackend/numba``)."""
+    ``$XDG_CACHE_HOME/fxbackend/numba/<sources digest>`` (default ``~/.cache/fxbackend/numba/
+    <digest>``; see "Disk cache" in the module docstring)."""
     if os.environ.get("NUMBA_CACHE_DIR"):
         return os.environ["NUMBA_CACHE_DIR"]
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "fxbackend", "numba")
+    return os.path.join(base, "fxbackend", "numba", sources_digest())
+
+
+_digest: str | None = None
+
+
+def sources_digest() -> str:
+    """16 hex digits of a SHA-256 over the names and bytes of this package's ``*.py`` files
+    (the kernels and the helpers they inline), computed once per process."""
+    global _digest
+    if _digest is None:
+        import hashlib
+        here = os.path.dirname(os.path.abspath(__file__))
+        h = hashlib.sha256()
+        for name in sorted(os.listdir(here)):
+            if name.endswith(".py"):
+                h.update(name.encode() + b"\0")
+                with open(os.path.join(here, name), "rb") as f:
+                    h.update(f.read())
+        _digest = h.hexdigest()[:16]
+    return _digest
 
 
 def import_numba():

@@ -81,9 +81,16 @@ def _register_helpers(numba) -> None:
     from numba import types
     from numba.extending import overload, register_jitable
 
-    for fn in (_var_offsets, _bcast_offsets, _tasks, _task, _bf16_to_f32, _f32_to_bf16,
-               _f16_to_f32, _f32_to_f16):
+    for fn in (_var_offsets, _bcast_offsets, _tasks, _task, _bf16_to_f32, _f32_to_bf16):
         register_jitable(fn)
+    if _hardware_half():  # one instruction each (F16C), vectorised: same bits (IEEE RNE)
+        global _half_bits, _half_value
+        _half_bits, _half_value = _half_intrinsics()
+        overload(_f32_to_f16)(lambda f: lambda f: _half_bits(np.float32(f)))
+        overload(_f16_to_f32)(lambda h: lambda h: _half_value(np.uint16(h)))
+    else:
+        register_jitable(_f16_to_f32)
+        register_jitable(_f32_to_f16)
     _numba.inline(_row_views, _row_interleaved, _row_split_half)
 
     @overload(_load)
@@ -112,6 +119,48 @@ def _register_helpers(numba) -> None:
         else:
             return None
         return st
+
+
+def _hardware_half() -> bool:
+    """Whether the CPU numba compiles for converts float32 <-> float16 in hardware (x86 F16C;
+    numba's ``CPU_FEATURES`` setting if given, else the host's).  Without it LLVM would call a
+    runtime library function that numba may not link, so the bit-level conversions are used."""
+    try:
+        from numba.core import codegen, config
+        feats = config.CPU_FEATURES
+        if feats is None:
+            feats = codegen.get_host_cpu_features()
+        return "+f16c" in str(feats).split(",")
+    except Exception:
+        return False
+
+
+def _half_intrinsics():
+    """numba intrinsics ``(float32 -> fp16 bits, fp16 bits -> float32)``: LLVM's ``fptrunc``
+    to ``half`` (round to nearest even, IEEE subnormals, overflow to inf; a NaN keeps its sign
+    and top payload bits and stays a NaN, as torch's vectorised conversion does) and
+    ``fpext`` (exact)."""
+    from llvmlite import ir
+    from numba import types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def half_bits(typingctx, f):
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+        return types.uint16(types.float32), codegen
+
+    @intrinsic
+    def half_value(typingctx, h):
+        def codegen(context, builder, sig, args):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+        return types.float32(types.uint16), codegen
+
+    return half_bits, half_value
+
+
+#: the hardware conversions once registered (``_half_intrinsics``), else None
+_half_bits = _half_value = None
 
 
 #: numba imported and the helpers registered, once (``_register()``; other modules require it)
@@ -147,7 +196,9 @@ def _bf16_to_f32(b):
 # The conversions compute every case and select one (no branches), so that LLVM vectorises the
 # loops that call them: with an ``if`` per case a loop storing fp16 ran scalar (scale -> fp16 at
 # 0.6x Inductor's speed).  Every case is computed exactly as before; only the unused ones are
-# thrown away (their arithmetic on other inputs wraps or makes NaNs, harmlessly).
+# thrown away (their arithmetic on other inputs wraps or makes NaNs, harmlessly).  Where the CPU
+# converts fp16 in hardware (``_hardware_half``), ``_f32_to_f16`` and ``_f16_to_f32`` compile to
+# that instead (the same bits for every non-NaN value; 16% faster on scale -> fp16).
 
 def _f32_to_bf16(f):
     u = np.float32(f).view(np.uint32)

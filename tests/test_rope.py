@@ -14,6 +14,8 @@ docstring), so a first run of this file pays some seconds of compilation.
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 
 import pytest
 import torch
@@ -324,14 +326,37 @@ def test_supports_never_raises():
 
 
 def test_numba_cache_dir_default(monkeypatch, tmp_path):
+    from fxbackend.cpu_kernels import _numba
+    digest = _numba.sources_digest()
+    assert re.fullmatch(r"[0-9a-f]{16}", digest)
     monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert cpu_rope.numba_cache_dir() == str(tmp_path / "fxbackend" / "numba")
+    assert cpu_rope.numba_cache_dir() == str(tmp_path / "fxbackend" / "numba" / digest)
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert cpu_rope.numba_cache_dir() == str(tmp_path / ".cache" / "fxbackend" / "numba")
+    assert cpu_rope.numba_cache_dir() == str(tmp_path / ".cache" / "fxbackend" / "numba" /
+                                             digest)
     monkeypatch.setenv("NUMBA_CACHE_DIR", "/somewhere/else")
     assert cpu_rope.numba_cache_dir() == "/somewhere/else"
+
+
+def test_numba_cache_digest_follows_every_kernel_source(tmp_path, monkeypatch):
+    # numba keys a cached kernel on its own file only: an edit to a helper file it inlines
+    # (rope's conversions, ...) must still give a new cache folder
+    import shutil
+
+    from fxbackend.cpu_kernels import _numba
+    pkg = os.path.dirname(_numba.__file__)
+    copy = tmp_path / "cpu_kernels"
+    shutil.copytree(pkg, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(_numba, "__file__", str(copy / "_numba.py"))
+    monkeypatch.setattr(_numba, "_digest", None)
+    first = _numba.sources_digest()
+    assert first == _numba.sources_digest()
+    with open(copy / "rope.py", "a") as f:
+        f.write("\n# an edit\n")
+    monkeypatch.setattr(_numba, "_digest", None)
+    assert _numba.sources_digest() != first
 
 
 def test_module_import_does_not_import_numba():

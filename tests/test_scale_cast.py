@@ -120,3 +120,32 @@ def test_rule_declines_non_dense_layouts_with_a_reason():
         got = torch.compile(f, backend="fxbackend")(x)
     assert "declined scale_cast" in text and "dense" in text
     assert torch.equal(got, f(x))
+
+
+def test_bit_level_fp16_conversions_at_every_boundary():
+    # rope's bit-level float32 <-> fp16 conversions, which the kernels compile to where the CPU
+    # has no hardware conversion (rope._hardware_half() False), round and load as torch does
+    import numba
+    import numpy as np
+
+    from fxbackend.cpu_kernels import rope
+
+    to16, to32 = numba.njit(rope._f32_to_f16), numba.njit(rope._f16_to_f32)
+
+    @numba.njit
+    def both(x, h, back):
+        for i in range(x.shape[0]):
+            h[i] = to16(x[i])
+        for i in range(back.shape[0]):
+            back[i] = to32(np.uint16(i))
+
+    x = _hard_float32_cases()
+    h = np.empty(x.numel(), np.uint16)
+    back = np.empty(2 ** 16, np.float32)
+    both(x.numpy(), h, back)
+    got = torch.from_numpy(h.view(np.int16)).view(torch.float16)
+    want = x.to(torch.float16)
+    assert ((got == want) | (got.isnan() & want.isnan())).all()
+    bits = torch.arange(0, 2 ** 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    b = torch.from_numpy(back)
+    assert ((b == bits.float()) | (b.isnan() & bits.isnan())).all()
