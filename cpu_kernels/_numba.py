@@ -20,7 +20,8 @@ Disk cache.  numba caches each kernel on disk keyed on the source file of the ke
 helper it inlines from another file (rope's ``_load``/``_store``, rmsnorm's ``_round_as``,
 ...) or to this file would not invalidate the cached kernel.  So the default cache folder
 (:func:`numba_cache_dir`) is named after a digest of every kernel source file of this package:
-any edit to any of them (an upgrade of fxbackend included) starts a new, empty folder.  A
+any edit to any of them (an upgrade of fxbackend included) starts a new, empty folder, and the
+folders of other versions unused for 30 days are removed (:func:`prune_old_caches`).  A
 ``NUMBA_CACHE_DIR`` set by the user is used as it is (clear it after editing the kernels).
 """
 from __future__ import annotations
@@ -31,8 +32,8 @@ import tempfile
 import threading
 from typing import Any, Callable
 
-__all__ = ["numba_cache_dir", "sources_digest", "import_numba", "once", "njit", "inline",
-           "reassoc", "warm_up", "concurrency_blocker"]
+__all__ = ["numba_cache_dir", "sources_digest", "prune_old_caches", "import_numba", "once",
+           "njit", "inline", "reassoc", "warm_up", "concurrency_blocker"]
 
 #: the options of every kernel: parallel, cached on disk, strict IEEE float32 (no FMA
 #: contraction, no reordering: ``fastmath=False``), releasing the GIL
@@ -72,6 +73,30 @@ def sources_digest() -> str:
     return _digest
 
 
+#: a cache folder of another kernel version unused this long is removed
+PRUNE_AFTER_S = 30 * 24 * 3600
+
+
+def prune_old_caches(path: str, now: float | None = None) -> None:
+    """Mark the cache folder ``path`` as used (its modification time), and remove its sibling
+    folders of other kernel versions (named by :func:`sources_digest`: 16 hex digits) not used
+    for :data:`PRUNE_AFTER_S`; other entries are left alone.  Never raises."""
+    import re
+    import shutil
+    import time
+    now = time.time() if now is None else now
+    try:
+        os.utime(path, (now, now))
+        parent, mine = os.path.split(os.path.normpath(path))
+        for name in os.listdir(parent):
+            full = os.path.join(parent, name)
+            if name != mine and re.fullmatch(r"[0-9a-f]{16}", name) and os.path.isdir(full) \
+                    and now - os.path.getmtime(full) > PRUNE_AFTER_S:
+                shutil.rmtree(full, ignore_errors=True)
+    except OSError:
+        return
+
+
 def import_numba():
     """Import numba with a writable cache dir: unless the user set ``NUMBA_CACHE_DIR``, it is
     set (before the import) to :func:`numba_cache_dir` (not site-packages, which may be
@@ -81,8 +106,10 @@ def import_numba():
         try:
             os.makedirs(path, exist_ok=True)
         except OSError:
-            path = os.path.join(tempfile.gettempdir(), f"fxbackend-numba-{os.getuid()}")
+            path = os.path.join(tempfile.gettempdir(), f"fxbackend-numba-{os.getuid()}",
+                                sources_digest())
             os.makedirs(path, exist_ok=True)
+        prune_old_caches(path)
         os.environ["NUMBA_CACHE_DIR"] = path
         if "numba" in sys.modules:  # imported by someone else before: its config is already read
             sys.modules["numba"].config.CACHE_DIR = path

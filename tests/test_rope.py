@@ -359,6 +359,25 @@ def test_numba_cache_digest_follows_every_kernel_source(tmp_path, monkeypatch):
     assert _numba.sources_digest() != first
 
 
+def test_old_kernel_cache_folders_are_pruned(tmp_path):
+    from fxbackend.cpu_kernels import _numba
+    now = 2_000_000_000.0
+    root = tmp_path / "numba"
+    mine, recent, old = (root / d for d in ("0123456789abcdef", "aaaaaaaaaaaaaaaa",
+                                            "bbbbbbbbbbbbbbbb"))
+    other = root / "not-a-version"
+    for d in (mine, recent, old, other):
+        (d / "sub").mkdir(parents=True)
+    os.utime(mine, (0, 0))
+    os.utime(recent, (now - 86400, now - 86400))
+    os.utime(old, (now - _numba.PRUNE_AFTER_S - 1, now - _numba.PRUNE_AFTER_S - 1))
+    os.utime(other, (0, 0))
+    _numba.prune_old_caches(str(mine), now=now)
+    assert mine.is_dir() and os.path.getmtime(mine) == now  # marked as used
+    assert recent.is_dir() and other.is_dir() and not old.exists()
+    _numba.prune_old_caches(str(tmp_path / "gone" / "0123456789abcdef"), now=now)  # no raise
+
+
 def test_module_import_does_not_import_numba():
     """fxbackend imports its kernels at import time: numba must load only when one compiles
     (for every numba kernel module: rope's, rmsnorm's, rms_rope's)."""
