@@ -587,18 +587,10 @@ class Plan:
                     and isinstance(n.target, torch._ops.OpOverload) and not n.is_scalar \
                     and n.meta is not None and n.op not in ("aten._to_copy.default", _COPY_OP) \
                     and (not out_overload(n.target) or n.op not in _FAST_OUT
-                         and out_is_copy(n.target, self._device_type(n))) \
+                         and out_is_copy(n.target, self._device_of(n).type)) \
                     and self._meta_result_matches(n):
                 bound.add(n)
         return bound
-
-    def _device_type(self, n: Node) -> str:
-        """The device type of ``n``'s (first) tensor result, or "" when it has none."""
-        m = self.metas.get(n)
-        for t in (m if isinstance(m, tuple) else (m,)):
-            if isinstance(t, TensorMeta):
-                return getattr(t.device, "type", str(t.device))
-        return ""
 
     def _writes_strided(self, n: Node) -> bool:
         """``n``'s step writes correctly into an output of any strides: a native op through its

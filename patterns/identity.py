@@ -22,17 +22,12 @@ from typing import Any
 
 import fxbackend
 from fxbackend import TensorMeta
+from fxbackend.ir import storage_root
 
 __all__ = ["IdentityArith", "IDENTITY_OPS"]
 
 #: the ops whose ``other`` = 1 makes them the identity
 IDENTITY_OPS = ("aten.mul.Tensor", "aten.mul.Scalar", "aten.div.Tensor", "aten.div.Scalar")
-
-
-def _root(n) -> Any:
-    while n.view_of is not None:
-        n = n.view_of
-    return n
 
 
 def _is_one(v: Any) -> bool:
@@ -53,14 +48,15 @@ class IdentityArith:
 
     def rewrite(self, graph) -> int:
         """Redirect the readers of every identity step to its input; returns how many."""
-        written = {_root(m.inplace_of) for m in graph.nodes if m.inplace_of is not None}
+        written = {storage_root(m) for m in graph.nodes if m.inplace_of is not None}
         count = 0
         for n in list(graph.nodes):
             if n.op not in IDENTITY_OPS or len(n.srcs) != 1 or n.is_output or \
                     set(n.params) != {"other"} or not _is_one(n.params["other"]):
                 continue
             x = n.srcs[0]
-            if n in written or _root(x) in written or not _same_value(x, n):
+            if storage_root(n) in written or storage_root(x) in written or \
+                    not _same_value(x, n):
                 continue
             fxbackend.replace_uses(graph, n, x)
             count += 1

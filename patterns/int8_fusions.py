@@ -612,6 +612,20 @@ def _linear_act_at(nodes, i):
     return lin, cast, act_node, act, k
 
 
+def _activation_why_not(impl, ch: dict, dtypes_attr: str) -> str | None:
+    """The checks the two rules ending at an activation share: the activation a concrete tensor
+    of the chain's dtype, a dtype the implementation lists in ``impl.<dtypes_attr>`` (float32
+    when it lists none), with the linear's rows."""
+    lin, v, dt = ch["linear"].meta, ch["value"].meta, ch["dtype"]
+    if not isinstance(v, TensorMeta) or v.dtype != dt or v.is_symbolic:
+        return f"the activation is not a concrete {dt} tensor"
+    if dt not in getattr(impl, dtypes_attr, (torch.float32,)):
+        return f"{impl.name}: no kernel for {dt} chains"
+    if v.numel != lin.numel or v.shape[-1] != lin.shape[-1]:
+        return "the activation's rows are not the linear's"
+    return None
+
+
 def _linear_act_users(users, lin) -> list | None:
     """By dataflow (single users): ``[lin, cast?, row views*, activation]`` after the
     ``sd.linear_i8`` node ``lin``, or None when no activation follows that way."""
@@ -671,13 +685,10 @@ class Int8LinearActQuantizeFusion(_Int8LinearRule):
                     dtype=torch.float32 if cast is None else cast.meta.dtype)
 
     def _why_not(self, ch) -> str | None:
-        lin, v, dt = ch["linear"].meta, ch["value"].meta, ch["dtype"]
-        if not isinstance(v, TensorMeta) or v.dtype != dt or v.is_symbolic:
-            return f"the activation is not a concrete {dt} tensor"
-        if dt not in getattr(self.impl, "act_dtypes", (torch.float32,)):
-            return f"{self.impl.name}: no kernel for {dt} chains"
-        if v.numel != lin.numel or v.shape[-1] != lin.shape[-1]:
-            return "the activation's rows are not the linear's"
+        lin, v = ch["linear"].meta, ch["value"].meta
+        why = _activation_why_not(self.impl, ch, "act_dtypes")
+        if why is not None:
+            return why
         why = _quantize_why_not(ch["quant"], v)
         if why is None:
             why = self.impl.why_not_linear(ch["linear"])
@@ -783,12 +794,9 @@ class Int8LinearActFusion(_Int8LinearRule):
         if ch.get("feeds_quantize"):
             return ("the activation feeds a quantize step (int8_linear_act_quantize or "
                     "act_quantize takes it)")
-        if not isinstance(v, TensorMeta) or v.dtype != dt or v.is_symbolic:
-            return f"the activation is not a concrete {dt} tensor"
-        if dt not in getattr(self.impl, "act_out_dtypes", (torch.float32,)):
-            return f"{self.impl.name}: no kernel for {dt} chains"
-        if v.numel != lin.numel or v.shape[-1] != lin.shape[-1]:
-            return "the activation's rows are not the linear's"
+        why = _activation_why_not(self.impl, ch, "act_out_dtypes")
+        if why is not None:
+            return why
         why = self.impl.why_not_linear(ch["linear"])
         if why is None:
             n = lin.shape[-1]
