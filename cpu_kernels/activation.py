@@ -3,31 +3,25 @@ and one numba pass over its result, registered at the end as the kernels of the 
 and ``linear_glu`` fusion rules for "cpu" (:class:`LinearActCPU`, see
 ``patterns/activation.py``).
 
-Maths (float32 arithmetic, no FMA contraction; constants as torch's CPU kernels in
-``aten/src/ATen/native/cpu/Activation.cpp`` / ``vec512_float.h`` use them)::
+Maths (float32 arithmetic; constants as torch's CPU kernels in
+``aten/src/ATen/native/cpu/Activation.cpp`` / ``vec512_float.h`` use them; ``fma`` one
+rounding)::
 
-    gelu_tanh(x) = (0.5 * x) * (1 + tanh(kBeta * (x + 0.044715 * (x * x * x))))
+    gelu_tanh(x) = (0.5 * x) * (1 + tanh(kBeta * fma(0.044715 * (x * x), x, x)))
                    kBeta = float32(sqrt(2) * (2 / sqrt(pi)) * 0.5)
     gelu(x)      = (x * 0.5) * (1 + erf(x * float32(1 / sqrt(2))))
     silu(x)      = x / (1 + exp(-x))
     gated:  out  = round(round(act(y[gate half])) * y[other half])    (the chain's roundings)
 
-``tanh``, ``exp`` and ``erf`` are written out here instead of calling libm so that LLVM
-vectorises the row loops (numba has no vector math library here; a scalar ``tanhf`` call per
-element made the pass several times slower than torch's Sleef-vectorised ``gelu``):
-
-- ``exp``: Cephes ``expf`` (range reduction by ln 2 in two parts, degree-6 polynomial, 2^n by
-  exponent bits), about 1 ulp;
-- ``tanh``: Cephes ``tanhf`` (odd polynomial below |u| = 0.625, ``1 - 2 / (exp(2|u|) + 1)``
-  above, both computed and selected so the loop has no branch);
-- ``erf``: the Abramowitz-Stegun 7.1.26 formula with the constants torch's vectorised
-  ``Vectorized<float>::erf`` uses (absolute error about 1.5e-7 against the true erf), so it
-  tracks torch's result for the strided gate of GEGLU (which is not oneDNN's path).
+``exp``, ``tanh`` and ``erf`` are the written-out, vectorisable float32 functions of
+``cpu_kernels/_vmath.py`` (Cephes ``expf``/``tanhf``, Abramowitz-Stegun 7.1.26 erf with the
+constants of torch's ``Vectorized<float>::erf``, so it tracks torch's result for the strided
+gate of GEGLU, which is not oneDNN's path), polynomials in FMA Horner form.
 
 torch's own results are not reproducible bit for bit (Sleef on full vectors, libm on the tail
 of each row); the differences are a few float32 ulp (measured by tests/test_activation.py,
 reported by scripts/bench_activation.py).  Sources: Hendrycks & Gimpel, "GELUs" (arXiv
-1606.08415); Abramowitz & Stegun 7.1.26; S. Moshier, Cephes ``expf.c``/``tanhf.c``;
+1606.08415);
 diffusers ``GELU``/``GEGLU`` (``models/activations.py``).
 
 Layout: the GEMM result ``y`` is a contiguous ``[M, N]`` (``linear_act``: the output itself,
@@ -48,8 +42,9 @@ import torch
 import fxbackend
 from fxbackend.patterns.activation import ACTS, LinearActFusion, LinearGluFusion, gemm_into
 
-from . import _numba
+from . import _numba, _vmath
 from . import rmsnorm as _rms
+from ._vmath import _erff, _expf, _fma, _silu, _tanhf  # noqa: F401 (_expf: int8 kernels)
 from .rmsnorm import _round_as
 from .rope import _NP_OF, _compile_lock, _flat, _load, _set_threads, _store
 
@@ -68,67 +63,15 @@ _K_KAPPA = np.float32(0.044715)
 _K_ALPHA = np.float32(2.0 ** -0.5)
 
 
-# -- element functions (registered with numba by _register; float32 in, float32 out) ---------------
-
-def _expf(x):
-    """Cephes expf: |error| about 1 ulp; x clamped to [-87.3, 88.7] (exp underflows to the
-    smallest normal / overflows to 2^128 only beyond that)."""
-    x = np.float32(min(max(x, np.float32(-87.33654)), np.float32(88.72283)))
-    z = np.float32(np.floor(np.float32(1.44269504088896341) * x + np.float32(0.5)))
-    x = x - z * np.float32(0.693359375)
-    x = x - z * np.float32(-2.12194440e-4)
-    xx = x * x
-    p = np.float32(1.9875691500E-4) * x + np.float32(1.3981999507E-3)
-    p = p * x + np.float32(8.3334519073E-3)
-    p = p * x + np.float32(4.1665795894E-2)
-    p = p * x + np.float32(1.6666665459E-1)
-    p = p * x + np.float32(5.0000001201E-1)
-    p = p * xx + x + np.float32(1.0)
-    n = np.int32(z)
-    # p * 2^n in two steps so that n = 128 (x near 88.7) and n = -126.. stay representable
-    h = n >> np.int32(1)
-    s1 = np.int32((h + np.int32(127)) << np.int32(23)).view(np.float32)
-    s2 = np.int32((n - h + np.int32(127)) << np.int32(23)).view(np.float32)
-    return p * s1 * s2
-
-
-def _tanhf(u):
-    """Cephes tanhf, branch-free: about 1-2 ulp."""
-    a = abs(u)
-    z = u * u
-    small = ((((np.float32(-5.70498872745E-3) * z + np.float32(2.06390887954E-2)) * z
-               - np.float32(5.37397155531E-2)) * z + np.float32(1.33314422036E-1)) * z
-             - np.float32(3.33332819422E-1)) * z * u + u
-    e = _expf(min(a + a, np.float32(88.0)))
-    big = np.float32(1.0) - np.float32(2.0) / (e + np.float32(1.0))
-    big = big if u >= np.float32(0.0) else -big
-    return small if a <= np.float32(0.625) else big
-
-
-def _erff(x):
-    """Abramowitz-Stegun 7.1.26 with torch's constants (``Vectorized<float>::erf``)."""
-    a = abs(x)
-    t = np.float32(1.0) / (np.float32(0.3275911) * a + np.float32(1.0))
-    r = np.float32(1.061405429) * t + np.float32(-1.453152027)
-    r = r * t + np.float32(1.421413741)
-    r = r * t + np.float32(-0.284496736)
-    r = r * t + np.float32(0.254829592)
-    e = _expf(-(x * x))
-    v = np.float32(1.0) - (e * t) * r
-    return v if x >= np.float32(0.0) else -v
-
+# -- element functions (float32 in, float32 out; exp, tanh, erf and SiLU from ``_vmath``) -----
 
 def _gelu_tanh(x):
-    inner = _K_BETA * (x + _K_KAPPA * (x * x * x))
+    inner = _K_BETA * _fma(_K_KAPPA * (x * x), x, x)
     return (np.float32(0.5) * x) * (np.float32(1.0) + _tanhf(inner))
 
 
 def _gelu_erf(x):
     return (x * np.float32(0.5)) * (np.float32(1.0) + _erff(x * _K_ALPHA))
-
-
-def _silu(x):
-    return x / (np.float32(1.0) + _expf(-x))
 
 
 # -- kernels (one pair per activation, so that the loops have no dispatch; module-level
@@ -216,13 +159,13 @@ def _register_helpers(numba) -> None:
     # the tanh GELU's and SiLU's maths as functions of their own, which LLVM inlines: inlined
     # into numba's IR, the in-place tanh GELU took 6.5 s to compile cold (1.1 s now) and ran no
     # faster; the erf GELU stays inlined there (8% faster so)
-    for fn in (_expf, _tanhf, _gelu_tanh, _silu):
-        register_jitable(fn)
-    for fn in (_erff, _gelu_erf, _task_rows, _gelu_tanh_run, _gelu_run, _silu_run):
+    register_jitable(_gelu_tanh)
+    for fn in (_gelu_erf, _task_rows, _gelu_tanh_run, _gelu_run, _silu_run):
         register_jitable(inline="always")(fn)
 
 
-_register = _numba.once(globals(), _register_helpers, requires=(_rms._register,))
+_register = _numba.once(globals(), _register_helpers,
+                        requires=(_rms._register, _vmath.register))
 # error_model="numpy": no ZeroDivisionError check on the divisions (which are never by zero
 # here), without which LLVM does not vectorise the loops (5-10x slower)
 _KERNELS = {act: _numba.once(globals(), lambda numba, fns=fns: tuple(

@@ -22,13 +22,10 @@ NCHW and channels-last, when this kernel was written).  The
 moments are not torch's (a vectorised float32 Welford cascade whose order depends on the CPU's
 vector width): a shifted float64 sum is used instead, which is within about one float32 ulp of the
 exact mean and variance, as torch's are; so float32 outputs differ from torch by a few ulp of
-|x - mean| * rstd * w (measured in the tests and the benchmark).  ``exp`` is Cephes' ``expf``
-(range reduction by ln 2 in two parts, a degree-6 polynomial with FMA, 2^n applied as two
-factors so overflow and underflow round as IEEE does); it is written in plain arithmetic so that
-LLVM vectorises the loop (numba has no vector ``exp`` without Intel SVML, and a scalar libm call
-per element was ~10x slower).  Its error is within 2 ulp of torch's Sleef ``exp``.  Sources:
+|x - mean| * rstd * w (measured in the tests and the benchmark).  ``exp`` is the vectorisable
+Cephes ``expf`` of ``cpu_kernels/_vmath.py``, within 2 ulp of torch's Sleef ``exp``.  Sources:
 Wu and He, "Group Normalization" (arXiv 1803.08494); S. Moshier, Cephes ``expf.c``; torch
-``group_norm_kernel.cpp`` and ``Activation.cpp`` (``x / (1 + exp(-x))``).
+``group_norm_kernel.cpp``.
 
 Layout.  x and out are dense NCHW (any number of spatial dims) or dense channels-last, the same
 for both (``memory_format_of``); other strides are declined.  A task is one (n, g) (``prange``):
@@ -53,9 +50,10 @@ from fxbackend.patterns.groupnorm import (GroupNormOpKernel, GroupNormSiluFusion
                                           group_norm_silu_reference, layout_why_not,
                                           memory_format_of)
 
-from . import _numba
+from . import _numba, _vmath
 from . import rmsnorm as _rms
 from . import rope as _rope
+from ._vmath import _fma, _silu
 from .rope import _NP_OF, _compile_lock, _flat, _load, _set_threads, _store
 from .rmsnorm import _round_as
 
@@ -67,20 +65,8 @@ prange = range
 
 
 def _build(numba):
-    from numba import types
-    from numba.extending import intrinsic, overload, register_jitable
-
-    @intrinsic
-    def fma32(typingctx, a, b, c):
-        sig = types.float32(types.float32, types.float32, types.float32)
-
-        def codegen(context, builder, signature, args):
-            return builder.fma(*args)  # llvm.fma.f32: one rounding
-        return sig, codegen
-
-    overload(_fma, strict=False)(
-        lambda a, b, c: lambda a, b, c: fma32(np.float32(a), np.float32(b), np.float32(c)))
-    for fn in (_expf, _silu, _finish, _channel_scale_bias, _scale_bias):
+    from numba.extending import register_jitable
+    for fn in (_finish, _channel_scale_bias, _scale_bias):
         register_jitable(fn)
     _numba.reassoc(_moments_run)  # the sums alone may be reordered (vectorised partial sums)
     return _numba.njit(_gn_nchw_kernel), _numba.njit(_gn_nhwc_kernel)
@@ -88,49 +74,11 @@ def _build(numba):
 
 #: the jitted kernels ``(nchw, nhwc)`` (created once; each compiles per dtype combination when
 #: first called); they call rope's ``_load``/``_store`` and rmsnorm's ``_round_as``
-_jit = _numba.once(globals(), _build, requires=(_rope._register, _rms._register))
+_jit = _numba.once(globals(), _build,
+                   requires=(_rope._register, _rms._register, _vmath.register))
 
 
 # -- jitted helpers (float32 maths unless stated) -----------------------------------------------
-
-def _fma(a, b, c):
-    """``a * b + c`` with one rounding (float32): jit only."""
-    raise NotImplementedError("_fma is a numba helper: call it from a jitted kernel")
-
-
-_LOG2E = np.float32(1.44269504088896341)
-_LN2_HI = np.float32(0.693359375)
-_LN2_LO = np.float32(-2.12194440e-4)
-_P0 = np.float32(1.9875691500e-4)
-_P1 = np.float32(1.3981999507e-3)
-_P2 = np.float32(8.3334519073e-3)
-_P3 = np.float32(4.1665795894e-2)
-_P4 = np.float32(1.6666665459e-1)
-_P5 = np.float32(5.0000001201e-1)
-
-
-def _expf(a):
-    """exp(a) for float32 ``a`` (Cephes expf; see the module docstring).  NaN gives NaN."""
-    a = min(max(a, np.float32(-104.0)), np.float32(89.0))  # beyond: 0 / inf after scaling
-    fx = np.floor(a * _LOG2E + np.float32(0.5))
-    r = a - fx * _LN2_HI
-    r = r - fx * _LN2_LO
-    p = _fma(_P0, r, _P1)
-    p = _fma(p, r, _P2)
-    p = _fma(p, r, _P3)
-    p = _fma(p, r, _P4)
-    p = _fma(p, r, _P5)
-    p = _fma(p, r * r, r) + np.float32(1.0)
-    n = np.int32(fx)
-    h = n >> np.int32(1)  # 2^n as 2^h * 2^(n-h): both factors are normal floats
-    s1 = np.uint32((h + np.int32(127)) << np.int32(23)).view(np.float32)
-    s2 = np.uint32((n - h + np.int32(127)) << np.int32(23)).view(np.float32)
-    return p * s1 * s2
-
-
-def _silu(y):
-    return y / (np.float32(1.0) + _expf(-y))
-
 
 #: elements (NCHW) summed in float32 before the partial sums go to float64
 _BLOCK = 512

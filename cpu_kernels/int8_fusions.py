@@ -88,7 +88,8 @@ from . import gated_residual as _gr
 from . import int8 as _i8
 from . import modulation as _mod
 from . import rmsnorm as _rms
-from .activation import _expf, _gelu_erf, _gelu_tanh, _silu
+from ._vmath import _expf, _silu
+from .activation import _gelu_erf, _gelu_tanh
 from .gated_residual import _row_strided, _row_unit
 from .int8 import _quantize_row, quantize_rows_cpu
 from .modulation import _load_row, _modulate, _row_offsets, _row_stats
