@@ -14,6 +14,7 @@ Rows are capped (``--rows``, default 1024) because a 2-core CPU needs seconds fo
 not slower than Inductor.  Raw results go to ``bench_results/activation.json``.
 
     .venv/bin/python scripts/bench_activation.py [--rows 1024] [--rounds 7] [--threads 1]
+        [--configs unet_geglu,sd3_ff]
 """
 from __future__ import annotations
 
@@ -111,11 +112,15 @@ def main():
     ap.add_argument("--rows", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=None, help="torch (and numba) threads")
+    ap.add_argument("--configs", default=None,
+                    help="comma-separated prefixes of the configs to run (default: all)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    wanted = args.configs.split(",") if args.configs else None
     rows = [bench(name, min(m, args.rows), k, n, act, gated, args.rounds)
-            for name, m, k, n, act, gated in CONFIGS]
+            for name, m, k, n, act, gated in CONFIGS
+            if wanted is None or any(name.startswith(w) for w in wanted)]
     path = pathlib.Path(__file__).resolve().parent.parent / "bench_results" / "activation.json"
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows}, indent=1))

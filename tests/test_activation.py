@@ -91,6 +91,69 @@ def test_in_place_pass_on_strided_rows(m, n, ld, act, dtype):
         activate_cpu(torch.randn(4, 6).t(), act)
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("m,n,ld", [(1, 7, 7), (37, 24, 40), (300, 100, 100)])
+def test_bias_added_in_the_pass(m, n, ld, act, dtype):
+    # act(y + bias) per row, bias over the columns: the float32 sum, then the activation, on
+    # contiguous and strided rows; GLU: both halves get their half of the bias
+    base = torch.randn(m, ld).to(dtype)
+    bias = torch.randn(n).to(dtype)
+    view = base[:, :n]
+    want = act_reference((view.float() + bias.float()).to(dtype), act) if dtype == F32 else \
+        act_reference(view.float() + bias.float(), act).to(dtype)
+    rest = base[:, n:].clone()
+    activate_cpu(view, act, bias)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(view, want, atol=atol * 4, rtol=rtol)
+    assert torch.equal(base[:, n:], rest)
+    y = torch.randn(m, 2 * n).to(dtype)
+    b2 = torch.randn(2 * n).to(dtype)
+    out = torch.empty(m, n, dtype=dtype)
+    glu_cpu(y, out, act, 0, b2)
+    yb = y.float() + b2.float()
+    want = act_reference(yb[:, :n], act).to(dtype).float() * yb[:, n:]
+    torch.testing.assert_close(out, want.to(dtype), atol=atol * 4, rtol=rtol)
+
+
+def test_bias_of_the_pass_is_checked():
+    y = torch.randn(4, 6)
+    for bad in (torch.randn(5), torch.randn(6, 1), torch.randn(12)[::2],
+                torch.randn(6, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="bias must be a contiguous"):
+            activate_cpu(y, "silu", bad)
+    with pytest.raises(ValueError, match="bias must be a contiguous"):
+        glu_cpu(y, torch.empty(4, 3), "silu", 1, torch.randn(3))
+
+
+def test_float32_linear_act_adds_the_bias_in_the_pass(monkeypatch):
+    # float32 with a [N] bias: mm, then act(y + bias) in the pass (no addmm); 16-bit: addmm
+    calls = []
+    real_mm, real_addmm = torch.mm, torch.addmm
+    monkeypatch.setattr(torch, "mm", lambda *a, **k: calls.append("mm") or real_mm(*a, **k))
+    monkeypatch.setattr(torch, "addmm",
+                        lambda *a, **k: calls.append("addmm") or real_addmm(*a, **k))
+    for dtype, want_call in ((F32, "mm"), (BF16, "addmm")):
+        for gate in (None, 1):
+            calls.clear()
+            n2 = 2 * 19 if gate is not None else 19
+            x, w, b = _operands(7, 33, n2, dtype)
+            out = torch.empty(7, 19 if gate is not None else n2, dtype=dtype)
+            y = torch.empty(7, n2, dtype=dtype) if gate is not None else out
+            LinearActCPU().run(x, w, b, y, out, act="gelu_tanh", gate=gate, beta=1, alpha=1)
+            assert calls == [want_call]
+            atol, rtol = TOL[dtype]
+            want = linear_act_reference(x, w, b, "gelu_tanh", gate)
+            scale = want.float().abs().max().item()
+            torch.testing.assert_close(out, want, atol=atol * scale, rtol=rtol)
+    calls.clear()
+    x, w, b = _operands(7, 33, 19, F32)
+    out = torch.empty(7, 19)
+    LinearActCPU().run(x, w, b, out, out, act="silu", gate=None, beta=0.5, alpha=1)
+    assert calls == ["addmm"]  # beta != 1: the chain's own addmm
+    torch.testing.assert_close(out, linear_act_reference(x, w, b, "silu", None, beta=0.5))
+
+
 def test_linear_act_output_placed_in_a_strided_concat_slice():
     # Flux's single-stream block: cat([attn, gelu_tanh(proj_mlp(x))], -1) -> proj_out
     def fn(x, a, w, b, w2):
