@@ -130,9 +130,10 @@ def wide_vector_features() -> str | None:
     512-bit instructions.  On the development CPU (AVX-512 with AMX, one thread) the 512-bit
     loops ran the tanh / erf GELU passes 1.16x / 1.25x, GroupNorm -> SiLU 1.12-1.18x,
     modulation 1.07-1.18x and RoPE on SD3-sized heads 1.5x faster; the memory-bound passes over
-    50 MB (gated residual, scale -> cast, RoPE on Flux-sized heads) were level.  Applied by :func:`import_numba` when nobody set numba's
-    ``CPU_FEATURES`` (``NUMBA_CPU_FEATURES``): it takes effect if numba had not compiled
-    anything in the process before, and numba's disk cache keys kernels on the features."""
+    50 MB (gated residual, scale -> cast, RoPE on Flux-sized heads) were level.  Applied by
+    :func:`import_numba` when nobody set numba's ``CPU_FEATURES`` (``NUMBA_CPU_FEATURES``): it
+    takes effect if numba had not compiled anything in the process before, and numba's disk
+    cache keys kernels on the features."""
     try:
         import llvmlite.binding as llvm
         features = llvm.get_host_cpu_features().flatten()

@@ -14,10 +14,11 @@ ATen lowers ``nn.Linear`` on a ``[B, S, K]`` input to ``view -> addmm(bias, x2d,
   (``silu(gate) * up``); either half may be the gate.
 
 One fused step runs the GEMM natively (the same ``addmm``/``mm`` call the chain makes, into the
-output or into workspace) and then one pass of the device kernel over the GEMM result: the
-activation in place (``linear_act``) or activation and gate multiply into the output
-(``linear_glu``), so the chain's intermediates (the activation before the clone, the strided
-halves, the activation of the gate, the product before the clone) are never written.
+output or into workspace; a device kernel may instead call ``mm`` and add a ``[N]`` bias in its
+pass, as the CPU kernel does in float32) and then one pass of the device kernel over the GEMM
+result: the activation in place (``linear_act``) or activation and gate multiply into the
+output (``linear_glu``), so the chain's intermediates (the activation before the clone, the
+strided halves, the activation of the gate, the product before the clone) are never written.
 
 Meaning (:func:`linear_act_reference`): each step's own rounding, as the unfused chain; for
 16-bit dtypes the GEMM result is rounded to the dtype, the activation computes in float32 and
