@@ -7,16 +7,14 @@ Maths (float32 arithmetic; constants as torch's CPU kernels in
 ``aten/src/ATen/native/cpu/Activation.cpp`` / ``vec512_float.h`` use them; ``fma`` one
 rounding)::
 
-    gelu_tanh(x) = x / (1 + exp(-2 z)),  z = kBeta * fma(0.044715 * (x * x), x, x)
+    gelu_tanh(x) = (0.5 * x) * (1 + tanh(kBeta * fma(0.044715 * (x * x), x, x)))
                    kBeta = float32(sqrt(2) * (2 / sqrt(pi)) * 0.5)
-                   (= 0.5 x (1 + tanh(z)) exactly; torch's form loses the relative accuracy
-                   of 1 + tanh(z) for z below about -4, where this one keeps it)
     gelu(x)      = (x * 0.5) * (1 + erf(x * float32(1 / sqrt(2))))
     silu(x)      = x / (1 + exp(-x))
     gated:  out  = round(round(act(y[gate half])) * y[other half])    (the chain's roundings)
 
-``exp`` and ``erf`` are the written-out, vectorisable float32 functions of
-``cpu_kernels/_vmath.py`` (Cephes ``expf``, Abramowitz-Stegun 7.1.26 erf with the
+``exp``, ``tanh`` and ``erf`` are the written-out, vectorisable float32 functions of
+``cpu_kernels/_vmath.py`` (Cephes ``expf``/``tanhf``, Abramowitz-Stegun 7.1.26 erf with the
 constants of torch's ``Vectorized<float>::erf``, so it tracks torch's result for the strided
 gate of GEGLU, which is not oneDNN's path), polynomials in FMA Horner form.
 
@@ -56,7 +54,7 @@ from fxbackend.patterns.activation import ACTS, LinearActFusion, LinearGluFusion
 
 from . import _numba, _vmath
 from . import rmsnorm as _rms
-from ._vmath import _erff, _expf, _fma, _silu  # noqa: F401 (_expf: int8 kernels)
+from ._vmath import _erff, _expf, _fma, _silu, _tanhf  # noqa: F401 (_expf: int8 kernels)
 from .rmsnorm import _round_as
 from .rope import _NP_OF, _compile_lock, _flat, _load, _set_threads, _store
 
@@ -78,10 +76,8 @@ _K_ALPHA = np.float32(2.0 ** -0.5)
 # -- element functions (float32 in, float32 out; exp, tanh, erf and SiLU from ``_vmath``) -----
 
 def _gelu_tanh(x):
-    # 0.5 * (1 + tanh(z)) = 1 / (1 + exp(-2z)): one exp and one division instead of tanh's
-    # two branches, and no cancellation in 1 + tanh(z) where z is below about -4
-    z = _K_BETA * _fma(_K_KAPPA * (x * x), x, x)
-    return x / (np.float32(1.0) + _expf(-(z + z)))
+    inner = _K_BETA * _fma(_K_KAPPA * (x * x), x, x)
+    return (np.float32(0.5) * x) * (np.float32(1.0) + _tanhf(inner))
 
 
 def _gelu_erf(x):

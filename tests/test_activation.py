@@ -47,26 +47,8 @@ def test_activation_accuracy_against_torch(act, dtype):
     err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
     assert err < (1e-6 if dtype == F32 else TOL[dtype][0]), err
     if dtype != F32:  # at most one rounding apart, nearly all equal (erf: torch's 16-bit
-        # gelu goes through oneDNN's erf, ours is the A&S formula of its vectorised path;
-        # tanh GELU: below x = -3 torch's 0.5 x (1 + tanh(z)) loses its relative accuracy to
-        # cancellation, which the kernel's x / (1 + exp(-2z)) keeps, so the 16-bit roundings
-        # of those tiny values differ; see the negative-tail test)
-        keep = x.float() >= -3 if act == "gelu_tanh" else torch.ones_like(x, dtype=torch.bool)
-        assert (got[keep] == want[keep]).float().mean() > (0.95 if act == "gelu" else 0.99)
-
-
-def test_gelu_tanh_keeps_relative_accuracy_in_the_negative_tail():
-    # x / (1 + exp(-2z)) = 0.5 x (1 + tanh(z)), without the cancellation of 1 + tanh(z):
-    # torch's form returns 0 (100% off) where GELU is below about 1e-8 in magnitude
-    x = torch.linspace(-9, 9, 180_001)
-    got = activate_cpu(x.clone(), "gelu_tanh").double()
-    x64 = x.double()
-    z = (2 / torch.pi) ** 0.5 * (x64 + 0.044715 * x64 ** 3)
-    want = x64 / (1 + torch.exp(-2 * z))  # the same identity in float64
-    nz = want.abs() > 1e-30
-    rel = ((got - want).abs()[nz] / want.abs()[nz]).max().item()
-    assert rel < 2e-5, rel  # float32 rounding of z, amplified by exp where |z| ~ 30: ~1e-5
-    assert got[0] < 0  # not 0: GELU(-9) = -9 * sigmoid(-2z) is about -1e-36
+        # gelu goes through oneDNN's erf, ours is the A&S formula of its vectorised path)
+        assert (got == want).float().mean() > (0.95 if act == "gelu" else 0.99)
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16, F16])

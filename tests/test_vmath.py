@@ -1,4 +1,4 @@
-"""The vectorisable float32 functions of ``cpu_kernels/_vmath.py`` (exp, erf, SiLU and the
+"""The vectorisable float32 functions of ``cpu_kernels/_vmath.py`` (exp, tanh, erf, SiLU and the
 FMA they are built on), jitted in a loop as the kernels call them, against float64 maths."""
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def loops():
         for i in range(a.size):
             out[i] = _vmath._fma(a[i], b[i], c[i])
 
-    return {"exp": make(_vmath._expf), "erf": make(_vmath._erff),
+    return {"exp": make(_vmath._expf), "tanh": make(_vmath._tanhf), "erf": make(_vmath._erff),
             "silu": make(_vmath._silu), "fma": numba.njit(fma_loop)}
 
 
@@ -70,6 +70,16 @@ def test_exp_within_two_ulp_and_ieee_at_the_ends(loops):
     assert got[0] == 0 and got[1] == 0 and np.isposinf(got[2]) and np.isposinf(got[3])
     assert np.isnan(got[4]) and got[5] == 1 and got[6] == 1
     assert np.isfinite(got[7]) and np.isposinf(got[8])
+
+
+def test_tanh_within_three_ulp(loops):
+    got = _run(loops["tanh"], _X)
+    want = np.tanh(_X.astype(np.float64))
+    big = np.abs(want) >= 1e-30
+    assert _ulps(got[big], want[big]).max() <= 3
+    ends = _run(loops["tanh"], np.array([-np.inf, np.inf, np.nan, 0.0, 1e-30], np.float32))
+    assert ends[0] == -1 and ends[1] == 1 and np.isnan(ends[2]) and ends[3] == 0
+    assert ends[4] == np.float32(1e-30)
 
 
 def test_erf_absolute_error(loops):
