@@ -97,31 +97,30 @@ def _task_rows(t, total, chunk, n, ld):
     return t * chunk // n, min(t * chunk + chunk, total) // n, 0, n, ld
 
 
+def _biased(a, bias, i):
+    """``a[i] + bias[i]`` as float32, or ``a[i]`` for an empty bias (the test is the same for
+    every element: LLVM moves it out of the loop)."""
+    return _load(a, i) + _load(bias, i) if bias.size else _load(a, i)
+
+
+def _half(bias, off, n):
+    """The ``n`` bias values of one GLU half (the empty bias stays empty)."""
+    return bias[off:off + n] if bias.size else bias
+
+
 def _gelu_tanh_run(b, bias):
-    if bias.size:
-        for e in range(b.size):
-            _store(b, e, _gelu_tanh(_load(b, e) + _load(bias, e)))
-    else:
-        for e in range(b.size):
-            _store(b, e, _gelu_tanh(_load(b, e)))
+    for e in range(b.size):
+        _store(b, e, _gelu_tanh(_biased(b, bias, e)))
 
 
 def _gelu_run(b, bias):
-    if bias.size:
-        for e in range(b.size):
-            _store(b, e, _gelu_erf(_load(b, e) + _load(bias, e)))
-    else:
-        for e in range(b.size):
-            _store(b, e, _gelu_erf(_load(b, e)))
+    for e in range(b.size):
+        _store(b, e, _gelu_erf(_biased(b, bias, e)))
 
 
 def _silu_run(b, bias):
-    if bias.size:
-        for e in range(b.size):
-            _store(b, e, _silu(_load(b, e) + _load(bias, e)))
-    else:
-        for e in range(b.size):
-            _store(b, e, _silu(_load(b, e)))
+    for e in range(b.size):
+        _store(b, e, _silu(_biased(b, bias, e)))
 
 
 def _inplace_gelu_tanh(buf, bias, total, chunk, n, ld):
@@ -146,51 +145,33 @@ def _inplace_silu(buf, bias, total, chunk, n, ld):
 
 
 def _glu_gelu_tanh(y, bias, out, rows, n, gate_off, other_off):
-    bg = bias[gate_off:gate_off + n] if bias.size else bias
-    bh = bias[other_off:other_off + n] if bias.size else bias
+    bg, bh = _half(bias, gate_off, n), _half(bias, other_off, n)
     for r in prange(rows):
         g = y[r * 2 * n + gate_off:r * 2 * n + gate_off + n]
         h = y[r * 2 * n + other_off:r * 2 * n + other_off + n]
         o = out[r * n:r * n + n]
-        if bias.size:
-            for j in range(n):
-                _store(o, j, _round_as(out, _gelu_tanh(_load(g, j) + _load(bg, j)))
-                       * (_load(h, j) + _load(bh, j)))
-        else:
-            for j in range(n):
-                _store(o, j, _round_as(out, _gelu_tanh(_load(g, j))) * _load(h, j))
+        for j in range(n):
+            _store(o, j, _round_as(out, _gelu_tanh(_biased(g, bg, j))) * _biased(h, bh, j))
 
 
 def _glu_gelu(y, bias, out, rows, n, gate_off, other_off):
-    bg = bias[gate_off:gate_off + n] if bias.size else bias
-    bh = bias[other_off:other_off + n] if bias.size else bias
+    bg, bh = _half(bias, gate_off, n), _half(bias, other_off, n)
     for r in prange(rows):
         g = y[r * 2 * n + gate_off:r * 2 * n + gate_off + n]
         h = y[r * 2 * n + other_off:r * 2 * n + other_off + n]
         o = out[r * n:r * n + n]
-        if bias.size:
-            for j in range(n):
-                _store(o, j, _round_as(out, _gelu_erf(_load(g, j) + _load(bg, j)))
-                       * (_load(h, j) + _load(bh, j)))
-        else:
-            for j in range(n):
-                _store(o, j, _round_as(out, _gelu_erf(_load(g, j))) * _load(h, j))
+        for j in range(n):
+            _store(o, j, _round_as(out, _gelu_erf(_biased(g, bg, j))) * _biased(h, bh, j))
 
 
 def _glu_silu(y, bias, out, rows, n, gate_off, other_off):
-    bg = bias[gate_off:gate_off + n] if bias.size else bias
-    bh = bias[other_off:other_off + n] if bias.size else bias
+    bg, bh = _half(bias, gate_off, n), _half(bias, other_off, n)
     for r in prange(rows):
         g = y[r * 2 * n + gate_off:r * 2 * n + gate_off + n]
         h = y[r * 2 * n + other_off:r * 2 * n + other_off + n]
         o = out[r * n:r * n + n]
-        if bias.size:
-            for j in range(n):
-                _store(o, j, _round_as(out, _silu(_load(g, j) + _load(bg, j)))
-                       * (_load(h, j) + _load(bh, j)))
-        else:
-            for j in range(n):
-                _store(o, j, _round_as(out, _silu(_load(g, j))) * _load(h, j))
+        for j in range(n):
+            _store(o, j, _round_as(out, _silu(_biased(g, bg, j))) * _biased(h, bh, j))
 
 
 _PY_KERNELS = {"gelu_tanh": (_inplace_gelu_tanh, _glu_gelu_tanh),
@@ -203,6 +184,8 @@ def _register_helpers(numba) -> None:
     # into numba's IR, the in-place tanh GELU took 6.5 s to compile cold (1.1 s now) and ran no
     # faster; the erf GELU stays inlined there (8% faster so)
     register_jitable(_gelu_tanh)
+    for fn in (_biased, _half):  # functions of their own (LLVM inlines them): inlined in
+        register_jitable(fn)      # numba's IR, their conditional expressions upset its SSA checks
     for fn in (_gelu_erf, _task_rows, _gelu_tanh_run, _gelu_run, _silu_run):
         register_jitable(inline="always")(fn)
 
@@ -235,12 +218,23 @@ def _bias_np(bias: torch.Tensor | None, like: np.ndarray, n: int, who: str) -> n
     """The bias as the kernels take it: a contiguous ``[n]`` array of the buffer's element
     type, or an empty one for none."""
     if bias is None:
-        return np.zeros(0, like.dtype)
-    if bias.dim() != 1 or bias.shape[0] != n or not bias.is_contiguous() or \
-            _np(bias).dtype != like.dtype:
+        return _no_bias(like.dtype)
+    b = _np(bias) if bias.dim() == 1 and bias.is_contiguous() else None
+    if b is None or bias.shape[0] != n or b.dtype != like.dtype:
         raise ValueError(f"{who}: bias must be a contiguous [{n}] tensor of the buffer's dtype, "
                          f"got {tuple(bias.shape)} {bias.dtype} strides {bias.stride()}")
-    return _np(bias)
+    return b
+
+
+_EMPTY: dict = {}
+
+
+def _no_bias(dtype) -> np.ndarray:
+    """The empty bias array of a numpy element type (one per type, made once)."""
+    e = _EMPTY.get(dtype)
+    if e is None:
+        e = _EMPTY[dtype] = np.zeros(0, dtype)
+    return e
 
 
 def activate_cpu(buf: torch.Tensor, act: str, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -256,7 +250,7 @@ def activate_cpu(buf: torch.Tensor, act: str, bias: torch.Tensor | None = None) 
         return buf
     if buf.is_contiguous() and bias is None:
         flat = _np(buf)
-        inplace(flat, np.zeros(0, flat.dtype), total, _CHUNK, 1, 0)
+        inplace(flat, _no_bias(flat.dtype), total, _CHUNK, 1, 0)
         return buf
     if buf.dim() != 2 or buf.stride(1) != 1 or buf.stride(0) < buf.shape[1]:
         raise ValueError(f"activate_cpu: a strided buffer (or one with a bias) must be 2-D with "
