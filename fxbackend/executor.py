@@ -217,6 +217,13 @@ def concretize(graph: Graph, args: Sequence[Any]) -> tuple[dict, dict]:
 
 
 _META = torch.device("meta")
+#: native ops that are a copy into fresh storage of their planned layout: they run as
+#: ``planned.copy_(x)`` (no per-call allocation; the arena's pages are already mapped)
+_COPY_OPS = ("aten._to_copy.default", "aten.clone.default")
+#: ops whose result layout the plan checks with their fake-tensor implementation instead of
+#: the meta device: the meta device's convolution returns NCHW for a channels-last input, while
+#: the CPU's returns channels-last (as the fake implementation, which Dynamo recorded, says)
+_FAKE_LAYOUT_OPS = frozenset({"aten.convolution.default"})
 
 
 def _map_tree(v: Any, f) -> Any:
@@ -585,7 +592,7 @@ class Plan:
         for n, k in self.kernels.items():
             if k is registry.NATIVE and n.view_of is None and n.inplace_of is None \
                     and isinstance(n.target, torch._ops.OpOverload) and not n.is_scalar \
-                    and n.meta is not None and n.op not in ("aten._to_copy.default", _COPY_OP) \
+                    and n.meta is not None and n.op not in (*_COPY_OPS, _COPY_OP) \
                     and (not out_overload(n.target) or n.op not in _FAST_OUT
                          and out_is_copy(n.target, self._device_of(n).type)) \
                     and self._meta_result_matches(n):
@@ -608,6 +615,8 @@ class Plan:
         the layout the plan's metadata says.  (A rewrite upstream may have changed an input's
         strides, and the result's strides can follow them, as attention's do; then the result
         is copied into planned storage of the recorded layout instead.)"""
+        fake = n.op in _FAKE_LAYOUT_OPS
+
         def val(v: Any) -> Any:
             if isinstance(v, Node):
                 if v in self.scalars:
@@ -615,12 +624,21 @@ class Plan:
                 m = self.metas.get(v)
                 if not isinstance(m, TensorMeta):
                     raise LookupError(f"%{v.id} has no concrete metadata")
+                if fake:
+                    return torch.empty_strided(m.shape, m.stride, dtype=m.dtype,
+                                               device=m.device)
                 return _meta_tensor(m)
-            return _META if isinstance(v, torch.device) else v
+            return _META if isinstance(v, torch.device) and not fake else v
 
         try:
-            a, kw = call_args(n, val, val)
-            out = n.target(*a, **kw)
+            if fake:
+                from torch._subclasses.fake_tensor import FakeTensorMode
+                with FakeTensorMode():
+                    a, kw = call_args(n, val, val)
+                    out = n.target(*a, **kw)
+            else:
+                a, kw = call_args(n, val, val)
+                out = n.target(*a, **kw)
         except Exception:  # no meta kernel (or a data-dependent input): keep the copy
             return False
         want = self.metas[n]
@@ -850,8 +868,9 @@ class Plan:
                     return
                 a, kw = call_args(n, src_of, value_of)
                 ov = out_overload(n.target) if isinstance(n.target, torch._ops.OpOverload) else None
-                if n.op == "aten._to_copy.default" and codes[0] is not None:
-                    # a conversion into planned storage is exactly copy_ (dtype, device, layout)
+                if n.op in _COPY_OPS and codes[0] is not None:
+                    # a conversion (or a clone) into planned storage is exactly copy_ (dtype,
+                    # device, layout: the planned storage has the layout the op would give)
                     lines.append(f"{codes[0].src}.copy_({_render(a[0])})")
                 elif ov is not None and all(c is not None for c in codes):
                     fast = _FAST_OUT.get(n.op) if not kw or n.op == "aten.gelu.default" else None

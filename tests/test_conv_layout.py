@@ -1,0 +1,119 @@
+"""The ``conv_channels_last`` rewrite (patterns/conv_layout.py): a CPU convolution whose result
+is read only as token rows (``view(B, C, H*W).transpose(1, 2)``) computes on a channels-last
+copy of its input, so the rows are contiguous; everything else is left alone."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxbackend
+import fxbackend.models
+from fxbackend.patterns.conv_layout import CONV_OP, channels_last_strides
+
+from conftest import capture
+
+
+@pytest.fixture
+def no_grad():
+    with torch.no_grad():
+        yield
+
+
+def _rewrites() -> int:
+    return fxbackend.stats()["rewrites_by_rule"].get("conv_channels_last", 0)
+
+
+def _patch_embed(x, w, b, pos):
+    """diffusers' PatchEmbed, written out: conv -> flatten(2) -> transpose(1, 2) -> + pos."""
+    y = torch.nn.functional.conv2d(x, w, b, stride=2)
+    return y.flatten(2).transpose(1, 2) + pos
+
+
+def _args(c_in=4, c_out=32, hw=16, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, c_in, hw, hw, generator=g).to(dtype)
+    w = (torch.randn(c_out, c_in, 2, 2, generator=g) * 0.3).to(dtype)
+    b = torch.randn(c_out, generator=g).to(dtype)
+    pos = torch.randn(1, (hw // 2) ** 2, c_out, generator=g).to(dtype)
+    return [x, w, b, pos]
+
+
+def _conv_nodes(plan):
+    return [n for n in plan.graph.nodes if n.op == CONV_OP]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_patch_embedding_convolution_runs_channels_last(dtype, no_grad):
+    args = _args(dtype=dtype)
+    fxbackend.reset_stats()
+    c = capture(_patch_embed, *args, exact=False, rtol=1e-5, atol=1e-5)
+    assert _rewrites() == 1
+    plan = c.graph.plan_for(args)
+    (conv,) = _conv_nodes(plan)
+    assert conv.srcs[0].op == "aten.clone.default"
+    assert conv.srcs[0].params["memory_format"] == torch.channels_last
+    assert tuple(plan.metas[conv].stride) == channels_last_strides(plan.metas[conv].shape)
+    # the token rows the add reads are contiguous now, and the result is used as the CPU
+    # kernel returns it (its layout check agrees), not copied into planned storage
+    add = next(n for n in plan.graph.nodes if n.op == "aten.add.Tensor")
+    assert all(plan.metas[s].is_contiguous for s in add.srcs)
+    assert conv in plan._bound and plan.copies == 0
+    # repeated calls keep matching eager
+    for _ in range(2):
+        args = _args(dtype=dtype)
+        torch.testing.assert_close(c.fn(*args), _patch_embed(*args), rtol=1e-5, atol=1e-5)
+
+
+def test_results_equal_eager_bit_for_bit_at_sd3_size(no_grad):
+    """On the patch embedding of SD3's small config the channels-last convolution returns the
+    same bits as eager's NCHW one (oneDNN sums in the same order)."""
+    args = _args(c_in=16, c_out=512, hw=64)
+    fxbackend.reset_stats()
+    capture(_patch_embed, *args)  # exact
+    assert _rewrites() == 1
+
+
+@pytest.mark.parametrize("fn", [
+    # the result is read as NCHW besides the token rows
+    lambda x, w, b, pos: (lambda y: (y.flatten(2).transpose(1, 2) + pos, y.relu()))(
+        torch.nn.functional.conv2d(x, w, b, stride=2)),
+    # read only as NCHW
+    lambda x, w, b, pos: torch.nn.functional.conv2d(x, w, b, stride=2).relu(),
+    # the NCHW view [B, C, H*W] is what is read (contiguous already)
+    lambda x, w, b, pos: torch.nn.functional.conv2d(x, w, b, stride=2).flatten(2).exp(),
+    # the result is returned: the caller gets the layout eager gives
+    lambda x, w, b, pos: torch.nn.functional.conv2d(x, w, b, stride=2),
+])
+def test_left_alone(fn, no_grad):
+    fxbackend.reset_stats()
+    capture(fn, *_args(), exact=False, rtol=1e-5, atol=1e-5)
+    assert _rewrites() == 0
+
+
+def test_declined_when_the_input_copy_costs_more(no_grad):
+    """A convolution with as many elements in as out: the channels-last copy of its input would
+    cost as much as it saves; the plan's report says so."""
+    def fn(x, w):
+        return torch.nn.functional.conv2d(x, w, padding=1).flatten(2).transpose(1, 2).exp()
+
+    x = torch.randn(1, 8, 12, 12)
+    w = torch.randn(8, 8, 3, 3) * 0.1
+    fxbackend.reset_stats()
+    c = capture(fn, x, w, exact=False, rtol=1e-5, atol=1e-5)
+    assert _rewrites() == 0
+    report = c.graph.plan_for([x, w]).report()
+    assert "conv_channels_last" in report and "more than half the size" in report
+
+
+@pytest.mark.parametrize("family,count", [
+    ("sd3", 1),     # 4 channels in, 32 out
+    ("pixart", 0),  # 4 in, 16 out of a 2x2 patch: as many elements in as out (declined)
+])
+def test_models_patch_embedding(family, count, no_grad):
+    m = fxbackend.models.build_model(family, "tiny")
+    inp = fxbackend.models.make_inputs(family, "tiny")
+    want = fxbackend.models.run_eager(m, inp)[0]
+    fxbackend.reset_stats()
+    got = fxbackend.models.run_eager(torch.compile(m, backend="fxbackend"), inp)[0]
+    assert _rewrites() == count
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
