@@ -28,6 +28,21 @@ the same sums on reordered data: on the models tested its results were bit-ident
 general they differ only by the order oneDNN sums in (the tests compare to eager with 1e-5
 relative).  The result's new layout is the one the fake-tensor implementation of the op gives
 (what torch's CPU kernel returns); the rule declines when that is not channels-last.
+
+1x1 convolutions of one float32 image (UNet ``Transformer2DModel``'s ``proj_in`` and
+``proj_out``, whose neighbours are token rows) become GEMMs over the pixels instead, which read
+the transposed operand through its strides (BLAS takes a transposed matrix as it is)::
+
+    # proj_in:  rows = conv1x1(x).permute(0, 2, 3, 1).reshape(1, H*W, C)
+    #   =>  y = addmm(b, view(x, [Cin, H*W]).t(), view(w, [C, Cin]).t())     [H*W, C]
+    #       the conv's readers read view(y, [1, H, W, C]).permute(0, 3, 1, 2): the rows are y
+    # proj_out: out = conv1x1(clone(rows.reshape(1, H, W, C).permute(0, 3, 1, 2)))
+    #   =>  out = view(addmm(view(b, [Cout, 1]), view(w, [Cout, C]), view(rows', [C, H*W])))
+    #       where rows' is the clone's channels-last source: the NCHW copy is gone
+
+No input copy is needed there, so the size condition does not apply.  BLAS sums in another
+order than oneDNN's convolution: results differ by float32 rounding (about 1e-6 relative on
+the small UNet).  A batch of several images keeps its convolutions.
 """
 from __future__ import annotations
 
@@ -89,6 +104,81 @@ def _view_meta(view: Node, metas: dict) -> TensorMeta | None:
                       out.storage_offset())
 
 
+_OPS = {name: getattr(torch.ops.aten, name.split(".")[0]).default
+        for name in ("view.default", "t.default", "permute.default", "addmm.default",
+                     "mm.default")}
+_LAYOUTS = {"view.default": (("self", True),), "t.default": (("self", True),),
+            "permute.default": (("self", True),),
+            "addmm.default": (("self", True), ("mat1", True), ("mat2", True)),
+            "mm.default": (("self", True), ("mat2", True))}
+
+
+def _pointwise_1x1(conv: Node) -> bool:
+    """A 1x1 convolution over one float32 image: a GEMM over its pixels."""
+    p = conv.params
+    w = conv.srcs[1].meta if len(conv.srcs) > 1 else None
+    return isinstance(w, TensorMeta) and len(w.shape) == 4 and tuple(w.shape[2:]) == (1, 1) \
+        and w.is_contiguous and conv.meta.shape[0] == 1 and conv.meta.dtype == torch.float32 \
+        and list(p.get("stride", ())) == [1, 1] and list(p.get("padding", ())) == [0, 0] \
+        and list(p.get("dilation", ())) == [1, 1] and p.get("groups") == 1
+
+
+class _Builder:
+    """Inserts ATen nodes before ``at`` in ``graph``, each with the metadata its op gives on
+    the meta device."""
+
+    def __init__(self, graph, at: Node) -> None:
+        self.graph, self.at = graph, at
+
+    def __call__(self, name: str, srcs: list, params: dict | None = None) -> Node:
+        op = _OPS[name]
+        node = self.graph.new_node(f"aten.{name}", srcs, params or {}, None, target=op,
+                                   tensor_layout=_LAYOUTS[name])
+        if name in ("view.default", "t.default", "permute.default"):
+            node.view_of = srcs[0]
+        from fxbackend.native import call_args
+        a, kw = call_args(node, lambda s: torch.empty_strided(
+            s.meta.shape, s.meta.stride, dtype=s.meta.dtype, device="meta"), lambda v: v)
+        out = op(*a, **kw)
+        m = srcs[0].meta
+        node.meta = TensorMeta(tuple(out.shape), tuple(out.stride()), m.dtype, m.device,
+                               out.storage_offset())
+        self.graph.insert(self.graph.nodes.index(self.at), node)
+        return node
+
+
+def _gemm_token_rows(graph, conv: Node) -> Node:
+    """A 1x1 convolution of NCHW ``x`` as the GEMM ``x^T W^T (+ b)`` over its pixels, whose
+    ``[H*W, C]`` result is returned viewed as ``[1, C, H, W]`` (channels-last strides)."""
+    x, w = conv.srcs[0], conv.srcs[1]
+    _, c_in, h, wd = x.meta.shape
+    c_out = conv.meta.shape[1]
+    make = _Builder(graph, conv)
+    xt = make("t.default", [make("view.default", [x], {"size": [c_in, h * wd]})])
+    wt = make("t.default", [make("view.default", [w], {"size": [c_out, c_in]})])
+    y = make("addmm.default", [conv.srcs[2], xt, wt]) if len(conv.srcs) > 2 \
+        else make("mm.default", [xt, wt])
+    return make("permute.default", [make("view.default", [y], {"size": [1, h, wd, c_out]})],
+                {"dims": [0, 3, 1, 2]})
+
+
+def _gemm_from_rows(graph, conv: Node, v: Node) -> Node | None:
+    """A 1x1 convolution of ``clone(v)``, ``v`` channels-last ``[1, C, H, W]`` (token rows
+    seen as an image), as the GEMM ``W v (+ b)`` reading ``v`` transposed: no clone."""
+    w = conv.srcs[1]
+    _, c_in, h, wd = v.meta.shape
+    c_out = conv.meta.shape[1]
+    make = _Builder(graph, conv)
+    v2 = make("view.default", [v], {"size": [c_in, h * wd]})
+    w2 = make("view.default", [w], {"size": [c_out, c_in]})
+    if len(conv.srcs) > 2:
+        b = make("view.default", [conv.srcs[2]], {"size": [c_out, 1]})
+        y = make("addmm.default", [b, w2, v2])
+    else:
+        y = make("mm.default", [w2, v2])
+    return make("view.default", [y], {"size": list(conv.meta.shape)})
+
+
 class ConvChannelsLast:
     """Rewrite rule ``conv_channels_last`` (see the module docstring)."""
 
@@ -110,6 +200,14 @@ class ConvChannelsLast:
         outputs = {o for o in graph.outputs if isinstance(o, Node)}
         done = 0
         for conv in [n for n in graph.nodes if self._eligible(n)]:
+            if conv in outputs:
+                continue
+            one = _pointwise_1x1(conv)
+            if one and self._reads_rows(conv, users, written, outputs):
+                fxbackend.replace_uses(graph, conv, _gemm_from_rows(graph, conv,
+                                                                   conv.srcs[0].srcs[0]))
+                done += 1
+                continue
             # the views of the result, and those of them something other than a view reads
             views, ends, ok = [], [], True
             stack = [conv]
@@ -126,16 +224,18 @@ class ConvChannelsLast:
                     ok = False  # the result itself is read as it is laid out
                 elif read or not users.get(v):
                     ends.append(v)
-            if not ok or not ends or conv in outputs or \
+            if not ok or not ends or \
                     any(n in outputs or storage_root(n) in written for n in [conv] + views):
                 continue
-            if any(ends_meta.is_contiguous for ends_meta in (e.meta for e in ends)):
+            if any(e.meta.is_contiguous for e in ends):
                 continue  # already read as token rows, or as an NCHW view
             x = conv.srcs[0]
             xm = x.meta
             x_cl = TensorMeta(xm.shape, channels_last_strides(xm.shape), xm.dtype, xm.device)
-            new = _fake_result(conv, x_cl)
-            if new is None or tuple(new.shape) != tuple(conv.meta.shape) or \
+            cm = conv.meta
+            new = TensorMeta(cm.shape, channels_last_strides(cm.shape), cm.dtype, cm.device) \
+                if one else _fake_result(conv, x_cl)
+            if new is None or tuple(new.shape) != tuple(cm.shape) or \
                     tuple(new.stride) != channels_last_strides(new.shape):
                 continue
             metas = {conv: new}
@@ -147,20 +247,39 @@ class ConvChannelsLast:
                 metas[v] = vm
             if metas is None or not all(metas[e].is_contiguous for e in ends):
                 continue
-            if xm.numel * 2 > conv.meta.numel:
+            if one:  # the GEMM over the pixels reads x transposed: no copy of x
+                fxbackend.replace_uses(graph, conv, _gemm_token_rows(graph, conv))
+                del metas[conv]
+            elif xm.numel * 2 > cm.numel:
                 ctx.decline(conv, f"its input ({xm.numel} elements) is more than half the size "
-                                  f"of its result ({conv.meta.numel}): a channels-last copy "
+                                  f"of its result ({cm.numel}): a channels-last copy "
                                   f"would cost more than the transposed reads it saves")
                 continue
-            clone = graph.new_node("aten.clone.default", [x],
-                                   {"memory_format": torch.channels_last}, x_cl,
-                                   target=_CLONE, tensor_layout=(("self", 1),))
-            graph.insert(graph.nodes.index(conv), clone)
-            conv.srcs = [clone] + conv.srcs[1:]
+            else:
+                clone = graph.new_node("aten.clone.default", [x],
+                                       {"memory_format": torch.channels_last}, x_cl,
+                                       target=_CLONE, tensor_layout=(("self", 1),))
+                graph.insert(graph.nodes.index(conv), clone)
+                conv.srcs = [clone] + conv.srcs[1:]
             for n, m in metas.items():
                 n.meta = m
             done += 1
         return done
+
+    @staticmethod
+    def _reads_rows(conv: Node, users: dict, written: set, outputs: set) -> bool:
+        """The 1x1 convolution's input is a contiguous ``clone`` of a channels-last image that
+        nothing else reads (token rows turned back into NCHW: UNet transformers' proj_out)."""
+        c = conv.srcs[0]
+        if c.op != "aten.clone.default" or len(c.srcs) != 1 or c in outputs or \
+                users.get(c) != [conv] or storage_root(c) in written:
+            return False
+        v = c.srcs[0].meta
+        return isinstance(v, TensorMeta) and not v.is_symbolic and \
+            tuple(v.shape) == tuple(c.meta.shape) and v.dtype == c.meta.dtype and \
+            v.storage_offset == 0 and \
+            tuple(v.stride) == channels_last_strides(v.shape) and \
+            storage_root(c.srcs[0]) not in written
 
 
 fxbackend.register_rewrite(ConvChannelsLast)

@@ -117,3 +117,76 @@ def test_models_patch_embedding(family, count, no_grad):
     got = fxbackend.models.run_eager(torch.compile(m, backend="fxbackend"), inp)[0]
     assert _rewrites() == count
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+# -- 1x1 convolutions next to token rows (UNet transformers' proj_in / proj_out) ---------------
+
+def _proj_in(x, w, b):
+    """Transformer2DModel's input side: 1x1 conv, then the pixels as token rows."""
+    y = torch.nn.functional.conv2d(x, w, b)
+    t = y.permute(0, 2, 3, 1).reshape(x.shape[0], -1, w.shape[0])
+    return torch.nn.functional.layer_norm(t, t.shape[-1:]) + t
+
+
+def _proj_out(t, w, b, res):
+    """Transformer2DModel's output side: token rows back to NCHW (a copy), 1x1 conv, residual."""
+    n, _, h, wd = res.shape
+    x = t.reshape(n, h, wd, -1).permute(0, 3, 1, 2).contiguous()
+    return torch.nn.functional.conv2d(x, w, b) + res
+
+
+def _ops(plan):
+    return [n.op for n in plan.graph.nodes if n in plan.kernels]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_1x1_convolution_read_as_rows_is_a_gemm_on_the_transposed_input(bias, no_grad):
+    g = torch.Generator().manual_seed(1)
+    args = [torch.randn(1, 24, 6, 10, generator=g), torch.randn(24, 24, 1, 1, generator=g) * 0.2,
+            torch.randn(24, generator=g) if bias else None]
+    fxbackend.reset_stats()
+    c = capture(_proj_in, *args, exact=False, rtol=1e-5, atol=1e-5)
+    assert _rewrites() == 1
+    plan = c.graph.plan_for(args)
+    ops = _ops(plan)
+    assert CONV_OP not in ops and ("aten.addmm.default" if bias else "aten.mm.default") in ops
+    gemm = next(n for n in plan.graph.nodes if n.op in ("aten.addmm.default", "aten.mm.default"))
+    assert plan.metas[gemm].is_contiguous and tuple(plan.metas[gemm].shape) == (60, 24)
+    # the layer norm reads contiguous rows now
+    ln = next(n for n in plan.graph.nodes if n.op == "aten.native_layer_norm.default")
+    assert plan.metas[ln.srcs[0]].is_contiguous
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_1x1_convolution_of_copied_rows_reads_the_rows(bias, no_grad):
+    g = torch.Generator().manual_seed(2)
+    args = [torch.randn(1, 60, 16, generator=g), torch.randn(8, 16, 1, 1, generator=g) * 0.2,
+            torch.randn(8, generator=g) if bias else None, torch.randn(1, 8, 6, 10, generator=g)]
+    fxbackend.reset_stats()
+    c = capture(_proj_out, *args, exact=False, rtol=1e-5, atol=1e-5)
+    assert _rewrites() == 1
+    ops = _ops(c.graph.plan_for(args))
+    assert CONV_OP not in ops and "aten.clone.default" not in ops  # the NCHW copy is gone
+
+
+def test_1x1_convolutions_of_a_batch_are_left_alone(no_grad):
+    """Only one image per call becomes a GEMM (a batch would need a batched GEMM); the input
+    side is then declined as any same-size convolution is."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(24, 24, 1, 1, generator=g) * 0.2
+    fxbackend.reset_stats()
+    capture(_proj_in, torch.randn(2, 24, 6, 10, generator=g), w, None, exact=False, rtol=1e-5,
+            atol=1e-5)
+    capture(_proj_out, torch.randn(2, 60, 24, generator=g), w, None,
+            torch.randn(2, 24, 6, 10, generator=g), exact=False, rtol=1e-5, atol=1e-5)
+    assert _rewrites() == 0
+
+
+def test_unet_transformers_1x1_projections_are_gemms(no_grad):
+    m = fxbackend.models.build_model("unet", "tiny")
+    inp = fxbackend.models.make_inputs("unet", "tiny")
+    want = fxbackend.models.run_eager(m, inp)[0]
+    fxbackend.reset_stats()
+    got = fxbackend.models.run_eager(torch.compile(m, backend="fxbackend"), inp)[0]
+    assert _rewrites() == 8  # proj_in and proj_out of each of the 4 transformer blocks
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
