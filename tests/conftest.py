@@ -35,6 +35,30 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.fixture
+def no_grad():
+    """Run the test under ``torch.no_grad()`` (inference, as the backend's plans are)."""
+    with torch.no_grad():
+        yield
+
+
+def rewrites(rule: str) -> int:
+    """How many instances the rewrite rule named ``rule`` replaced since the last
+    ``fxbackend.reset_stats()``."""
+    return fxbackend.stats()["rewrites_by_rule"].get(rule, 0)
+
+
+def tiny_model_outputs(family: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(compiled, eager)`` first outputs of the tiny ``family`` model on its inputs; the
+    fxbackend counters are reset just before the compiled call."""
+    import fxbackend.models as models
+    m = models.build_model(family, "tiny")
+    inp = models.make_inputs(family, "tiny")
+    want = models.run_eager(m, inp)
+    fxbackend.reset_stats()
+    return models.run_eager(torch.compile(m, backend="fxbackend"), inp), want
+
+
 @dataclasses.dataclass
 class Captured:
     compiled: list  # CompiledGraph, one per fw graph, in compile order

@@ -7,20 +7,9 @@ import pytest
 import torch
 
 import fxbackend
-import fxbackend.models
 from fxbackend.patterns.conv_layout import CONV_OP, channels_last_strides
 
-from conftest import capture
-
-
-@pytest.fixture
-def no_grad():
-    with torch.no_grad():
-        yield
-
-
-def _rewrites() -> int:
-    return fxbackend.stats()["rewrites_by_rule"].get("conv_channels_last", 0)
+from conftest import capture, rewrites, tiny_model_outputs
 
 
 def _patch_embed(x, w, b, pos):
@@ -47,7 +36,7 @@ def test_patch_embedding_convolution_runs_channels_last(dtype, no_grad):
     args = _args(dtype=dtype)
     fxbackend.reset_stats()
     c = capture(_patch_embed, *args, exact=False, rtol=1e-5, atol=1e-5)
-    assert _rewrites() == 1
+    assert rewrites("conv_channels_last") == 1
     plan = c.graph.plan_for(args)
     (conv,) = _conv_nodes(plan)
     assert conv.srcs[0].op == "aten.clone.default"
@@ -70,7 +59,7 @@ def test_results_equal_eager_bit_for_bit_at_sd3_size(no_grad):
     args = _args(c_in=16, c_out=512, hw=64)
     fxbackend.reset_stats()
     capture(_patch_embed, *args)  # exact
-    assert _rewrites() == 1
+    assert rewrites("conv_channels_last") == 1
 
 
 @pytest.mark.parametrize("fn", [
@@ -87,7 +76,7 @@ def test_results_equal_eager_bit_for_bit_at_sd3_size(no_grad):
 def test_left_alone(fn, no_grad):
     fxbackend.reset_stats()
     capture(fn, *_args(), exact=False, rtol=1e-5, atol=1e-5)
-    assert _rewrites() == 0
+    assert rewrites("conv_channels_last") == 0
 
 
 def test_declined_when_the_input_copy_costs_more(no_grad):
@@ -100,7 +89,7 @@ def test_declined_when_the_input_copy_costs_more(no_grad):
     w = torch.randn(8, 8, 3, 3) * 0.1
     fxbackend.reset_stats()
     c = capture(fn, x, w, exact=False, rtol=1e-5, atol=1e-5)
-    assert _rewrites() == 0
+    assert rewrites("conv_channels_last") == 0
     report = c.graph.plan_for([x, w]).report()
     assert "conv_channels_last" in report and "more than half the size" in report
 
@@ -110,12 +99,8 @@ def test_declined_when_the_input_copy_costs_more(no_grad):
     ("pixart", 0),  # 4 in, 16 out of a 2x2 patch: as many elements in as out (declined)
 ])
 def test_models_patch_embedding(family, count, no_grad):
-    m = fxbackend.models.build_model(family, "tiny")
-    inp = fxbackend.models.make_inputs(family, "tiny")
-    want = fxbackend.models.run_eager(m, inp)[0]
-    fxbackend.reset_stats()
-    got = fxbackend.models.run_eager(torch.compile(m, backend="fxbackend"), inp)[0]
-    assert _rewrites() == count
+    got, want = tiny_model_outputs(family)
+    assert rewrites("conv_channels_last") == count
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
@@ -146,7 +131,7 @@ def test_1x1_convolution_read_as_rows_is_a_gemm_on_the_transposed_input(bias, no
             torch.randn(24, generator=g) if bias else None]
     fxbackend.reset_stats()
     c = capture(_proj_in, *args, exact=False, rtol=1e-5, atol=1e-5)
-    assert _rewrites() == 1
+    assert rewrites("conv_channels_last") == 1
     plan = c.graph.plan_for(args)
     ops = _ops(plan)
     assert CONV_OP not in ops and ("aten.addmm.default" if bias else "aten.mm.default") in ops
@@ -164,7 +149,7 @@ def test_1x1_convolution_of_copied_rows_reads_the_rows(bias, no_grad):
             torch.randn(8, generator=g) if bias else None, torch.randn(1, 8, 6, 10, generator=g)]
     fxbackend.reset_stats()
     c = capture(_proj_out, *args, exact=False, rtol=1e-5, atol=1e-5)
-    assert _rewrites() == 1
+    assert rewrites("conv_channels_last") == 1
     ops = _ops(c.graph.plan_for(args))
     assert CONV_OP not in ops and "aten.clone.default" not in ops  # the NCHW copy is gone
 
@@ -179,14 +164,10 @@ def test_1x1_convolutions_of_a_batch_are_left_alone(no_grad):
             atol=1e-5)
     capture(_proj_out, torch.randn(2, 60, 24, generator=g), w, None,
             torch.randn(2, 24, 6, 10, generator=g), exact=False, rtol=1e-5, atol=1e-5)
-    assert _rewrites() == 0
+    assert rewrites("conv_channels_last") == 0
 
 
 def test_unet_transformers_1x1_projections_are_gemms(no_grad):
-    m = fxbackend.models.build_model("unet", "tiny")
-    inp = fxbackend.models.make_inputs("unet", "tiny")
-    want = fxbackend.models.run_eager(m, inp)[0]
-    fxbackend.reset_stats()
-    got = fxbackend.models.run_eager(torch.compile(m, backend="fxbackend"), inp)[0]
-    assert _rewrites() == 8  # proj_in and proj_out of each of the 4 transformer blocks
+    got, want = tiny_model_outputs("unet")
+    assert rewrites("conv_channels_last") == 8  # proj_in and proj_out of each of the 4 transformer blocks
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())

@@ -121,7 +121,8 @@ def test_exported_plans_fuse_like_the_compiled_path(saved_models):
     plan = fxbackend.load(saved_models["flux"]["path"])
     plan(**saved_models["flux"]["kwargs"])
     s = fxbackend.stats()
-    assert s["rewrites_by_rule"] == {"rope": 4, "rms_norm": 6, **_FLUX_IDENTITY}, \
+    assert s["rewrites_by_rule"] == {"rope": 4, "rms_norm": 6, "attention_kv_contiguous": 2,
+                                     **_FLUX_IDENTITY}, \
         s["rewrites_by_rule"]
     assert s["fusions_by_rule"]["rms_rope"] == 2, s["fusions_by_rule"]
 

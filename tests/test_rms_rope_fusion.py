@@ -18,9 +18,9 @@ from fxbackend.patterns.rope import ReferenceRmsRope, RmsRopeFusion, rms_rope_re
 
 from ext_util import eager_and_compiled, rel_err, rule_on_top
 
-#: tiny Flux's multiplications/divisions by 1 (timestep scale, RoPE frequencies) that the
-#: identity_arith rewrite drops
-_FLUX_IDENTITY = {"identity_arith": 8}
+#: tiny Flux's other rewrites: identity_arith drops its multiplications/divisions by 1 (timestep
+#: scale, RoPE frequencies); attention_kv_contiguous lays out k and v of its 2 attention steps
+_FLUX_OTHER = {"identity_arith": 8, "attention_kv_contiguous": 2}
 
 
 class _Impl(ReferenceRmsRope):
@@ -209,7 +209,7 @@ def test_flux_fuses_q_and_k_of_every_single_stream_block():
     ref, out, model = eager_and_compiled("flux")
     assert rel_err(out, ref) <= 1e-5
     s = fxbackend.stats()
-    assert s["rewrites_by_rule"] == {"rope": 4, "rms_norm": 6, **_FLUX_IDENTITY}
+    assert s["rewrites_by_rule"] == {"rope": 4, "rms_norm": 6, **_FLUX_OTHER}
     n_single = model.config.num_single_layers
     # the double-stream block concatenates text and image q/k between norm and RoPE: no chain
     assert s["fusions_by_rule"]["rms_rope"] == 2 * n_single
@@ -295,5 +295,5 @@ def test_16bit_flux_fuses_q_and_k_with_torch_rmsnorm(dtype):
     ref, out, model = eager_and_compiled("flux", dtype=dtype)
     assert torch.equal(out, ref)
     s = fxbackend.stats()
-    assert s["rewrites_by_rule"] == {"rope": 4, "rms_norm": 6, **_FLUX_IDENTITY}
+    assert s["rewrites_by_rule"] == {"rope": 4, "rms_norm": 6, **_FLUX_OTHER}
     assert s["fusions_by_rule"]["rms_rope"] == 2 * model.config.num_single_layers
