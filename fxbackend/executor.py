@@ -28,6 +28,7 @@ from . import registry, stats
 from .ir import Graph, Node, ScalarMeta, TensorMeta, contiguous_strides, storage_root
 from .lower import SYM_OPS
 from .concat import ConcatPlan, elide_identity_cats, elide_identity_clones, plan_concat
+from .fold import fold_constants
 from .memory import MemoryPlan, buffers_of, plan_memory
 from .fusion import FusionReport, apply_fusions
 from .rewrite import RewriteContext, apply_rewrites
@@ -390,6 +391,11 @@ class Plan:
                 self.metas[n] = n.meta
             for rule_name, count in self.rewrites.items():
                 stats.bump("rewrite:" + rule_name, count)
+        #: steps that read no input, computed here once (``fold.fold_constants``)
+        self.folded = fold_constants(self.graph)
+        if self.folded:
+            for n in self.graph.nodes:
+                self.metas.setdefault(n, n.meta)
         #: cats of slices that only re-assembled one tensor (their readers read it instead)
         self.identity_cats = (elide_identity_cats(self.graph, self.metas.__getitem__)
                               if options.concat_in_place else 0)
@@ -398,7 +404,7 @@ class Plan:
         self.identity_clones = (elide_identity_clones(self.graph, self.metas.__getitem__,
                                                       self._set_meta)
                                 if options.concat_in_place else 0)
-        if self.rewrites or self.identity_cats or self.identity_clones:
+        if self.rewrites or self.folded or self.identity_cats or self.identity_clones:
             from .pipeline import eliminate_dead_nodes
             eliminate_dead_nodes(self.graph, options)
         if options.eval_callback is not None:
@@ -471,6 +477,7 @@ class Plan:
         stats.bump("concat_parts_in_place", self.concat.parts_in_place)
         stats.bump("identity_cats", self.identity_cats)
         stats.bump("identity_clones", self.identity_clones)
+        stats.bump("constants_folded", self.folded)
         if options.dump:
             print(f"[fxbackend] {name}: {self.memory.summary()}, "
                   f"workspace {self.workspace_bytes / 2**20:.2f} MB", file=sys.stderr)
@@ -1164,6 +1171,8 @@ class Plan:
                 f"%{cat.srcs[j].id}" for j in sorted(parts)) + " written in place" +
                 (f"; copies %{', %'.join(str(cat.srcs[j].id) for j in left)}" if left
                  else "; no copy"))
+        if self.folded:
+            lines.append(f"constant steps folded at plan time: {self.folded}")
         if self.identity_cats or self.identity_clones:
             lines.append(f"copies elided (readers read the source): {self.identity_cats} "
                          f"concatenation(s) of slices, {self.identity_clones} clone(s)")
@@ -1242,7 +1251,7 @@ class Plan:
 
     def __del__(self) -> None:
         key = getattr(self, "_stats_key", None)
-        if key is not None:
+        if key is not None and stats is not None:  # module globals are None at interpreter exit
             stats.release_plan(key)
         for kernel, state in getattr(self, "_states", ()):
             destroy = getattr(kernel, "destroy", None)
