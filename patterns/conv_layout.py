@@ -28,6 +28,10 @@ the same sums on reordered data: on the models tested its results were bit-ident
 general they differ only by the order oneDNN sums in (the tests compare to eager with 1e-5
 relative).  The result's new layout is the one the fake-tensor implementation of the op gives
 (what torch's CPU kernel returns); the rule declines when that is not channels-last.
+Elementwise steps reading the rows whose recorded result took the rows' old, transposed layout
+(ATen's rule for an elementwise result: PixArt's position-embedding add, which no clone
+follows) write contiguous rows too, down a chain of such steps, unless their result is
+returned, written in place or viewed.
 
 1x1 convolutions of one float32 image (UNet ``Transformer2DModel``'s ``proj_in`` and
 ``proj_out``, whose neighbours are token rows) become GEMMs over the pixels instead, which read
@@ -49,7 +53,8 @@ from __future__ import annotations
 import torch
 
 import fxbackend
-from fxbackend import Node, TensorMeta
+from fxbackend import Node, TensorMeta, contiguous_strides
+from fxbackend.concat import POINTWISE_OPS
 from fxbackend.ir import storage_root
 
 __all__ = ["ConvChannelsLast", "CONV_OP", "channels_last_strides"]
@@ -261,10 +266,35 @@ class ConvChannelsLast:
                                        target=_CLONE, tensor_layout=(("self", 1),))
                 graph.insert(graph.nodes.index(conv), clone)
                 conv.srcs = [clone] + conv.srcs[1:]
+            old = {e: e.meta for e in ends}
             for n, m in metas.items():
                 n.meta = m
+            self._rows_downstream(ends, old, users, written, outputs)
             done += 1
         return done
+
+    @staticmethod
+    def _rows_downstream(ends: list, old: dict, users: dict, written: set,
+                         outputs: set) -> None:
+        """Elementwise steps that read the token rows and took their old, transposed layout
+        for their own result (as ATen does: PixArt's position-embedding add) write contiguous
+        rows now, and so on down a chain of such steps.  Only where nothing returns, writes
+        or views their result (views would need new metadata)."""
+        work = list(ends)
+        while work:
+            v = work.pop()
+            for r in users.get(v, ()):
+                m = r.meta
+                if r.op not in POINTWISE_OPS or r.view_of is not None or \
+                        not isinstance(m, TensorMeta) or m.is_symbolic or m.is_contiguous or \
+                        tuple(m.shape) != tuple(old[v].shape) or \
+                        tuple(m.stride) != tuple(old[v].stride) or r in outputs or \
+                        storage_root(r) in written or \
+                        any(u.view_of is r for u in users.get(r, ())):
+                    continue
+                old[r] = m
+                r.meta = TensorMeta(m.shape, contiguous_strides(m.shape), m.dtype, m.device)
+                work.append(r)
 
     @staticmethod
     def _reads_rows(conv: Node, users: dict, written: set, outputs: set) -> bool:

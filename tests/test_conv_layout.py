@@ -53,6 +53,27 @@ def test_patch_embedding_convolution_runs_channels_last(dtype, no_grad):
         torch.testing.assert_close(c.fn(*args), _patch_embed(*args), rtol=1e-5, atol=1e-5)
 
 
+def test_elementwise_steps_after_the_rows_write_rows(no_grad):
+    """PixArt adds the position embedding and feeds the sum to a LayerNorm: ATen gave the sum
+    the transposed layout of the convolution's tokens; it now writes contiguous rows too.  A
+    returned sum keeps eager's layout."""
+    def fn(x, w, b, pos):
+        s = _patch_embed(x, w, b, pos)
+        return torch.nn.functional.layer_norm(s * 2, s.shape[-1:])
+
+    args = _args()
+    c = capture(fn, *args, exact=False, rtol=1e-5, atol=1e-5)
+    assert rewrites("conv_channels_last") == 1
+    plan = c.graph.plan_for(args)
+    for op in ("aten.add.Tensor", "aten.mul.Tensor"):
+        n = next(n for n in plan.graph.nodes if n.op == op)
+        assert plan.metas[n].is_contiguous, op
+
+    torch._dynamo.reset()
+    c = capture(_patch_embed, *args, exact=False, rtol=1e-5, atol=1e-5)
+    assert c.out.stride() == _patch_embed(*args).stride()
+
+
 def test_results_equal_eager_bit_for_bit_at_sd3_size(no_grad):
     """On the patch embedding of SD3's small config the channels-last convolution returns the
     same bits as eager's NCHW one (oneDNN sums in the same order)."""
