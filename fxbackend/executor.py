@@ -13,6 +13,7 @@ copied.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 import re
@@ -637,13 +638,13 @@ class Plan:
                 return _meta_tensor(m)
             return _META if isinstance(v, torch.device) and not fake else v
 
+        if fake:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+            mode = FakeTensorMode()
+        else:
+            mode = contextlib.nullcontext()
         try:
-            if fake:
-                from torch._subclasses.fake_tensor import FakeTensorMode
-                with FakeTensorMode():
-                    a, kw = call_args(n, val, val)
-                    out = n.target(*a, **kw)
-            else:
+            with mode:
                 a, kw = call_args(n, val, val)
                 out = n.target(*a, **kw)
         except Exception:  # no meta kernel (or a data-dependent input): keep the copy

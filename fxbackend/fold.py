@@ -21,11 +21,9 @@ Folding runs the same ATen kernels eager runs, once, so results are bit-identica
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from .ir import Graph, Node, TensorMeta, storage_root
+from .ir import Graph, Node, TensorMeta, node_deps, storage_root
 
 __all__ = ["fold_constants", "MAX_BYTES"]
 
@@ -33,22 +31,11 @@ __all__ = ["fold_constants", "MAX_BYTES"]
 MAX_BYTES = 16 * 1024 * 1024
 
 
-def _holds_node(v: Any) -> bool:
-    if isinstance(v, Node):
-        return True
-    if isinstance(v, (list, tuple)):
-        return any(_holds_node(x) for x in v)
-    if isinstance(v, dict):
-        return any(_holds_node(x) for x in v.values())
-    return False
-
-
 def _foldable_op(n: Node) -> bool:
     t = n.target
     return isinstance(t, torch._ops.OpOverload) and n.inplace_of is None and not n.is_multi \
         and not n.is_input and isinstance(n.meta, TensorMeta) and not n.meta.is_symbolic \
-        and torch.Tag.nondeterministic_seeded not in t.tags \
-        and not _holds_node(n.params)
+        and torch.Tag.nondeterministic_seeded not in t.tags
 
 
 def fold_constants(graph: Graph) -> int:
@@ -65,7 +52,9 @@ def fold_constants(graph: Graph) -> int:
             values[n] = n.annotations["value"]
     folded: list[Node] = []
     for n in list(graph.nodes):
-        if n.op == "constant" or not _foldable_op(n) or not all(s in values for s in n.srcs):
+        # node_deps: the sources, and any scalar node a param holds (never a constant)
+        if n.op == "constant" or not _foldable_op(n) or \
+                not all(d in values for d in node_deps(n)):
             continue
         m = n.meta
         if m.numel * m.itemsize > MAX_BYTES:

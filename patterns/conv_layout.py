@@ -50,6 +50,8 @@ the small UNet).  A batch of several images keeps its convolutions.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 import fxbackend
@@ -60,7 +62,6 @@ from fxbackend.ir import storage_root
 __all__ = ["ConvChannelsLast", "CONV_OP", "channels_last_strides"]
 
 CONV_OP = "aten.convolution.default"
-_CLONE = torch.ops.aten.clone.default
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -70,52 +71,30 @@ def channels_last_strides(shape) -> tuple:
     return (h * w * c, 1, w * c, c)
 
 
-def _fake_result(conv: Node, x_meta: TensorMeta) -> TensorMeta | None:
-    """The convolution's result for an input laid out as ``x_meta``, from the op's fake-tensor
-    implementation (which follows the device's kernel: the meta device's does not)."""
+def _result_meta(node: Node, metas: dict, fake: bool = False) -> TensorMeta | None:
+    """``node``'s result metadata for sources laid out as ``metas`` says (else as their own
+    metadata): its op run on the meta device, where views and most ops follow the same stride
+    rules as on any other, or with ``fake`` on fake tensors of the sources' device (what the
+    convolution needs: the meta device's ignores the CPU's channels-last rule).  None when
+    the op cannot run so."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from fxbackend.native import call_args
-
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=False):
-            def src(s: Node) -> torch.Tensor:
-                m = x_meta if s is conv.srcs[0] else s.meta
-                return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=m.device)
-            a, kw = call_args(conv, src, lambda v: v)
-            out = conv.target(*a, **kw)
-            return TensorMeta(tuple(out.shape), tuple(out.stride()), out.dtype, out.device)
-    except Exception:  # no fake implementation for these arguments: leave the conv alone
-        return None
-
-
-def _view_meta(view: Node, metas: dict) -> TensorMeta | None:
-    """A view node's metadata for its source laid out as ``metas`` says (run on the meta
-    device, where views follow the same stride rules as on any other)."""
     from fxbackend.native import call_args
 
     def src(s: Node) -> torch.Tensor:
         m = metas.get(s, s.meta)
-        return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
+        return torch.empty_strided(m.shape, m.stride, dtype=m.dtype,
+                                   device=m.device if fake else "meta")
 
     try:
-        a, kw = call_args(view, src, lambda v: v)
-        out = view.target(*a, **kw)
-    except Exception:
+        with FakeTensorMode() if fake else contextlib.nullcontext():
+            a, kw = call_args(node, src, lambda v: v)
+            out = node.target(*a, **kw)
+    except Exception:  # no meta/fake implementation for these arguments
         return None
     if not isinstance(out, torch.Tensor):
         return None
-    m = view.meta
-    return TensorMeta(tuple(out.shape), tuple(out.stride()), m.dtype, m.device,
-                      out.storage_offset())
-
-
-_OPS = {name: getattr(torch.ops.aten, name.split(".")[0]).default
-        for name in ("view.default", "t.default", "permute.default", "addmm.default",
-                     "mm.default")}
-_LAYOUTS = {"view.default": (("self", True),), "t.default": (("self", True),),
-            "permute.default": (("self", True),),
-            "addmm.default": (("self", True), ("mat1", True), ("mat2", True)),
-            "mm.default": (("self", True), ("mat2", True))}
+    return TensorMeta(tuple(out.shape), tuple(out.stride()), out.dtype,
+                      node.srcs[0].meta.device, out.storage_offset())
 
 
 def _pointwise_1x1(conv: Node) -> bool:
@@ -129,25 +108,22 @@ def _pointwise_1x1(conv: Node) -> bool:
 
 
 class _Builder:
-    """Inserts ATen nodes before ``at`` in ``graph``, each with the metadata its op gives on
-    the meta device."""
+    """Inserts ATen nodes (``make("addmm", [b, x, w])``) before ``at`` in ``graph``, each with
+    the metadata its op gives on the meta device."""
+
+    _VIEWS = ("view", "t", "permute")
 
     def __init__(self, graph, at: Node) -> None:
         self.graph, self.at = graph, at
 
     def __call__(self, name: str, srcs: list, params: dict | None = None) -> Node:
-        op = _OPS[name]
-        node = self.graph.new_node(f"aten.{name}", srcs, params or {}, None, target=op,
-                                   tensor_layout=_LAYOUTS[name])
-        if name in ("view.default", "t.default", "permute.default"):
-            node.view_of = srcs[0]
-        from fxbackend.native import call_args
-        a, kw = call_args(node, lambda s: torch.empty_strided(
-            s.meta.shape, s.meta.stride, dtype=s.meta.dtype, device="meta"), lambda v: v)
-        out = op(*a, **kw)
-        m = srcs[0].meta
-        node.meta = TensorMeta(tuple(out.shape), tuple(out.stride()), m.dtype, m.device,
-                               out.storage_offset())
+        op = getattr(torch.ops.aten, name).default
+        layout = tuple((a.name, True) for a in op._schema.arguments
+                       if isinstance(a.type, torch.TensorType))
+        node = self.graph.new_node(f"aten.{name}.default", srcs, params or {}, None,
+                                   target=op, tensor_layout=layout,
+                                   view_of=srcs[0] if name in self._VIEWS else None)
+        node.meta = _result_meta(node, {})
         self.graph.insert(self.graph.nodes.index(self.at), node)
         return node
 
@@ -159,11 +135,11 @@ def _gemm_token_rows(graph, conv: Node) -> Node:
     _, c_in, h, wd = x.meta.shape
     c_out = conv.meta.shape[1]
     make = _Builder(graph, conv)
-    xt = make("t.default", [make("view.default", [x], {"size": [c_in, h * wd]})])
-    wt = make("t.default", [make("view.default", [w], {"size": [c_out, c_in]})])
-    y = make("addmm.default", [conv.srcs[2], xt, wt]) if len(conv.srcs) > 2 \
-        else make("mm.default", [xt, wt])
-    return make("permute.default", [make("view.default", [y], {"size": [1, h, wd, c_out]})],
+    xt = make("t", [make("view", [x], {"size": [c_in, h * wd]})])
+    wt = make("t", [make("view", [w], {"size": [c_out, c_in]})])
+    y = make("addmm", [conv.srcs[2], xt, wt]) if len(conv.srcs) > 2 \
+        else make("mm", [xt, wt])
+    return make("permute", [make("view", [y], {"size": [1, h, wd, c_out]})],
                 {"dims": [0, 3, 1, 2]})
 
 
@@ -174,14 +150,14 @@ def _gemm_from_rows(graph, conv: Node, v: Node) -> Node | None:
     _, c_in, h, wd = v.meta.shape
     c_out = conv.meta.shape[1]
     make = _Builder(graph, conv)
-    v2 = make("view.default", [v], {"size": [c_in, h * wd]})
-    w2 = make("view.default", [w], {"size": [c_out, c_in]})
+    v2 = make("view", [v], {"size": [c_in, h * wd]})
+    w2 = make("view", [w], {"size": [c_out, c_in]})
     if len(conv.srcs) > 2:
-        b = make("view.default", [conv.srcs[2]], {"size": [c_out, 1]})
-        y = make("addmm.default", [b, w2, v2])
+        b = make("view", [conv.srcs[2]], {"size": [c_out, 1]})
+        y = make("addmm", [b, w2, v2])
     else:
-        y = make("mm.default", [w2, v2])
-    return make("view.default", [y], {"size": list(conv.meta.shape)})
+        y = make("mm", [w2, v2])
+    return make("view", [y], {"size": list(conv.meta.shape)})
 
 
 class ConvChannelsLast:
@@ -239,13 +215,13 @@ class ConvChannelsLast:
             x_cl = TensorMeta(xm.shape, channels_last_strides(xm.shape), xm.dtype, xm.device)
             cm = conv.meta
             new = TensorMeta(cm.shape, channels_last_strides(cm.shape), cm.dtype, cm.device) \
-                if one else _fake_result(conv, x_cl)
+                if one else _result_meta(conv, {x: x_cl}, fake=True)
             if new is None or tuple(new.shape) != tuple(cm.shape) or \
                     tuple(new.stride) != channels_last_strides(new.shape):
                 continue
             metas = {conv: new}
             for v in views:  # users come after their sources in ``views``' order
-                vm = _view_meta(v, metas)
+                vm = _result_meta(v, metas)
                 if vm is None or tuple(vm.shape) != tuple(v.meta.shape):
                     metas = None
                     break
@@ -261,10 +237,8 @@ class ConvChannelsLast:
                                   f"would cost more than the transposed reads it saves")
                 continue
             else:
-                clone = graph.new_node("aten.clone.default", [x],
-                                       {"memory_format": torch.channels_last}, x_cl,
-                                       target=_CLONE, tensor_layout=(("self", 1),))
-                graph.insert(graph.nodes.index(conv), clone)
+                clone = _Builder(graph, conv)("clone", [x],
+                                              {"memory_format": torch.channels_last})
                 conv.srcs = [clone] + conv.srcs[1:]
             old = {e: e.meta for e in ends}
             for n, m in metas.items():

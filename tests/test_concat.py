@@ -32,12 +32,6 @@ from test_memory import assert_no_overlap, tm
 CPU = torch.device("cpu")
 
 
-@pytest.fixture
-def no_grad():
-    with torch.no_grad():
-        yield
-
-
 def _input(g: Graph, meta: TensorMeta) -> Node:
     return g.append(g.new_node("input", meta=meta, is_input=True))
 

@@ -18,12 +18,6 @@ from fxbackend.options import Options, parse_options
 from conftest import assert_same, capture
 
 
-@pytest.fixture
-def no_grad():
-    with torch.no_grad():
-        yield
-
-
 def _fx(fn, *args) -> fxbackend.CompiledGraph:
     """A CompiledGraph straight from make_fx (no Dynamo, no aot_autograd DCE)."""
     gm = make_fx(fn, tracing_mode="fake")(*args)

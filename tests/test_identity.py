@@ -13,12 +13,6 @@ from fxbackend.patterns.identity import IDENTITY_OPS
 from conftest import assert_same, capture
 
 
-@pytest.fixture
-def no_grad():
-    with torch.no_grad():
-        yield
-
-
 def _rewrites():
     return fxbackend.stats()["rewrites_by_rule"].get("identity_arith", 0)
 
