@@ -97,30 +97,35 @@ def _task_rows(t, total, chunk, n, ld):
     return t * chunk // n, min(t * chunk + chunk, total) // n, 0, n, ld
 
 
-def _biased(a, bias, i):
-    """``a[i] + bias[i]`` as float32, or ``a[i]`` for an empty bias (the test is the same for
-    every element: LLVM moves it out of the loop)."""
-    return _load(a, i) + _load(bias, i) if bias.size else _load(a, i)
+def _row_loops(act):
+    """``(run, glu_row)`` for the element function ``act``, inlined into the kernels in numba's
+    IR: ``run(b, bias)`` activates the slice ``b`` in place (plus ``bias``, or the empty bias);
+    ``glu_row(g, h, bg, bh, o, out)`` writes the GLU row ``o`` of ``out`` from the gate half
+    ``g`` and the other half ``h`` (plus their bias halves ``bg``/``bh``, or empty ones).  The
+    bias test is made once per row and picks one of two inner loops: as a conditional per
+    element (even one LLVM could move out of the loop), the biased GEGLU pass ran 10% slower."""
+    def run(b, bias):
+        if bias.size:
+            for e in range(b.size):
+                _store(b, e, act(_load(b, e) + _load(bias, e)))
+        else:
+            for e in range(b.size):
+                _store(b, e, act(_load(b, e)))
+
+    def glu_row(g, h, bg, bh, o, out):
+        if bg.size:
+            for j in range(o.size):
+                _store(o, j, _round_as(out, act(_load(g, j) + _load(bg, j)))
+                       * (_load(h, j) + _load(bh, j)))
+        else:
+            for j in range(o.size):
+                _store(o, j, _round_as(out, act(_load(g, j))) * _load(h, j))
+    return run, glu_row
 
 
-def _half(bias, off, n):
-    """The ``n`` bias values of one GLU half (the empty bias stays empty)."""
-    return bias[off:off + n] if bias.size else bias
-
-
-def _gelu_tanh_run(b, bias):
-    for e in range(b.size):
-        _store(b, e, _gelu_tanh(_biased(b, bias, e)))
-
-
-def _gelu_run(b, bias):
-    for e in range(b.size):
-        _store(b, e, _gelu_erf(_biased(b, bias, e)))
-
-
-def _silu_run(b, bias):
-    for e in range(b.size):
-        _store(b, e, _silu(_biased(b, bias, e)))
+_gelu_tanh_run, _glu_gelu_tanh_row = _row_loops(_gelu_tanh)
+_gelu_run, _glu_gelu_row = _row_loops(_gelu_erf)
+_silu_run, _glu_silu_row = _row_loops(_silu)
 
 
 def _inplace_gelu_tanh(buf, bias, total, chunk, n, ld):
@@ -145,33 +150,27 @@ def _inplace_silu(buf, bias, total, chunk, n, ld):
 
 
 def _glu_gelu_tanh(y, bias, out, rows, n, gate_off, other_off):
-    bg, bh = _half(bias, gate_off, n), _half(bias, other_off, n)
+    bg, bh = bias[gate_off:gate_off + n], bias[other_off:other_off + n]  # empty stays empty
     for r in prange(rows):
-        g = y[r * 2 * n + gate_off:r * 2 * n + gate_off + n]
-        h = y[r * 2 * n + other_off:r * 2 * n + other_off + n]
-        o = out[r * n:r * n + n]
-        for j in range(n):
-            _store(o, j, _round_as(out, _gelu_tanh(_biased(g, bg, j))) * _biased(h, bh, j))
+        _glu_gelu_tanh_row(y[r * 2 * n + gate_off:r * 2 * n + gate_off + n],
+                           y[r * 2 * n + other_off:r * 2 * n + other_off + n], bg, bh,
+                           out[r * n:r * n + n], out)
 
 
 def _glu_gelu(y, bias, out, rows, n, gate_off, other_off):
-    bg, bh = _half(bias, gate_off, n), _half(bias, other_off, n)
+    bg, bh = bias[gate_off:gate_off + n], bias[other_off:other_off + n]
     for r in prange(rows):
-        g = y[r * 2 * n + gate_off:r * 2 * n + gate_off + n]
-        h = y[r * 2 * n + other_off:r * 2 * n + other_off + n]
-        o = out[r * n:r * n + n]
-        for j in range(n):
-            _store(o, j, _round_as(out, _gelu_erf(_biased(g, bg, j))) * _biased(h, bh, j))
+        _glu_gelu_row(y[r * 2 * n + gate_off:r * 2 * n + gate_off + n],
+                      y[r * 2 * n + other_off:r * 2 * n + other_off + n], bg, bh,
+                      out[r * n:r * n + n], out)
 
 
 def _glu_silu(y, bias, out, rows, n, gate_off, other_off):
-    bg, bh = _half(bias, gate_off, n), _half(bias, other_off, n)
+    bg, bh = bias[gate_off:gate_off + n], bias[other_off:other_off + n]
     for r in prange(rows):
-        g = y[r * 2 * n + gate_off:r * 2 * n + gate_off + n]
-        h = y[r * 2 * n + other_off:r * 2 * n + other_off + n]
-        o = out[r * n:r * n + n]
-        for j in range(n):
-            _store(o, j, _round_as(out, _silu(_biased(g, bg, j))) * _biased(h, bh, j))
+        _glu_silu_row(y[r * 2 * n + gate_off:r * 2 * n + gate_off + n],
+                      y[r * 2 * n + other_off:r * 2 * n + other_off + n], bg, bh,
+                      out[r * n:r * n + n], out)
 
 
 _PY_KERNELS = {"gelu_tanh": (_inplace_gelu_tanh, _glu_gelu_tanh),
@@ -180,13 +179,14 @@ _PY_KERNELS = {"gelu_tanh": (_inplace_gelu_tanh, _glu_gelu_tanh),
 
 def _register_helpers(numba) -> None:
     from numba.extending import register_jitable
-    # the tanh GELU's and SiLU's maths as functions of their own, which LLVM inlines: inlined
-    # into numba's IR, the in-place tanh GELU took 6.5 s to compile cold (1.1 s now) and ran no
-    # faster; the erf GELU stays inlined there (8% faster so)
+    # the activations' maths as functions of their own, which LLVM inlines: inlined into
+    # numba's IR, the in-place tanh GELU took 6.5 s to compile cold (1.1 s now) and ran no
+    # faster (see _vmath for erf); the loops over rows are inlined there, so that LLVM sees the
+    # slices' bounds
     register_jitable(_gelu_tanh)
-    for fn in (_biased, _half):  # functions of their own (LLVM inlines them): inlined in
-        register_jitable(fn)      # numba's IR, their conditional expressions upset its SSA checks
-    for fn in (_gelu_erf, _task_rows, _gelu_tanh_run, _gelu_run, _silu_run):
+    register_jitable(_gelu_erf)
+    for fn in (_task_rows, _gelu_tanh_run, _gelu_run, _silu_run, _glu_gelu_tanh_row,
+               _glu_gelu_row, _glu_silu_row):
         register_jitable(inline="always")(fn)
 
 

@@ -25,7 +25,7 @@ def loops():
         for i in range(a.size):
             out[i] = _vmath._fma(a[i], b[i], c[i])
 
-    return {"exp": make(_vmath._expf), "tanh": make(_vmath._tanhf), "erf": make(_vmath._erff),
+    return {"exp": make(_vmath._expf), "exp_neg": make(_vmath._exp_neg), "tanh": make(_vmath._tanhf), "erf": make(_vmath._erff),
             "silu": make(_vmath._silu), "fma": numba.njit(fma_loop)}
 
 
@@ -70,6 +70,17 @@ def test_exp_within_two_ulp_and_ieee_at_the_ends(loops):
     assert got[0] == 0 and got[1] == 0 and np.isposinf(got[2]) and np.isposinf(got[3])
     assert np.isnan(got[4]) and got[5] == 1 and got[6] == 1
     assert np.isfinite(got[7]) and np.isposinf(got[8])
+
+
+def test_exp_neg_is_exp_on_its_range(loops):
+    # erf's exp(-x * x) without the clamps: the same bits as _expf on [-87, 0], ends included
+    x = np.concatenate([np.linspace(-87, 0, 400_001, dtype=np.float32),
+                        -np.abs(_X[np.abs(_X) <= 9.3]) ** 2,
+                        np.array([-87.0, -86.99999, -81.0, -1e-30, -0.0, 0.0], np.float32)])
+    assert (x >= -87).all() and (x <= 0).all()
+    got = _run(loops["exp_neg"], x)
+    assert np.array_equal(got, _run(loops["exp"], x))
+    assert (got > 0).all() and (got <= 1).all()
 
 
 def test_tanh_within_three_ulp(loops):
