@@ -25,7 +25,8 @@ def loops():
         for i in range(a.size):
             out[i] = _vmath._fma(a[i], b[i], c[i])
 
-    return {"exp": make(_vmath._expf), "exp_neg": make(_vmath._exp_neg), "tanh": make(_vmath._tanhf), "erf": make(_vmath._erff),
+    return {"exp": make(_vmath._expf), "exp_normal": make(_vmath._exp_normal),
+            "tanh": make(_vmath._tanhf), "erf": make(_vmath._erff),
             "silu": make(_vmath._silu), "fma": numba.njit(fma_loop)}
 
 
@@ -72,15 +73,18 @@ def test_exp_within_two_ulp_and_ieee_at_the_ends(loops):
     assert np.isfinite(got[7]) and np.isposinf(got[8])
 
 
-def test_exp_neg_is_exp_on_its_range(loops):
-    # erf's exp(-x * x) without the clamps: the same bits as _expf on [-87, 0], ends included
-    x = np.concatenate([np.linspace(-87, 0, 400_001, dtype=np.float32),
-                        -np.abs(_X[np.abs(_X) <= 9.3]) ** 2,
-                        np.array([-87.0, -86.99999, -81.0, -1e-30, -0.0, 0.0], np.float32)])
-    assert (x >= -87).all() and (x <= 0).all()
-    got = _run(loops["exp_neg"], x)
+def test_exp_normal_is_exp_on_its_range(loops):
+    # erf's exp(-x * x) and tanh's exp(2|u|) without the clamps: the same bits as _expf on
+    # [-87, 88], ends included
+    x = np.concatenate([np.linspace(-87, 88, 400_001, dtype=np.float32),
+                        -np.abs(_X[np.abs(_X) <= 9.3]) ** 2, 2 * np.abs(_X[np.abs(_X) <= 44]),
+                        np.array([-87.0, -86.99999, -81.0, -1e-30, -0.0, 0.0, 87.99999, 88.0],
+                                 np.float32)])
+    assert (x >= -87).all() and (x <= 88).all()
+    got = _run(loops["exp_normal"], x)
     assert np.array_equal(got, _run(loops["exp"], x))
-    assert (got > 0).all() and (got <= 1).all()
+    assert np.isfinite(got).all() and (got > 0).all()
+    assert np.isnan(_run(loops["exp_normal"], np.array([np.nan], np.float32))).all()
 
 
 def test_tanh_within_three_ulp(loops):
