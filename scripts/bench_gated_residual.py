@@ -5,9 +5,9 @@ gated residual, after the attention output projection and after the FF's last li
 Shapes come from :data:`CONFIGS` (real model sizes at 1024x1024: Flux.1 4096 image + 512 text
 tokens, hidden 3072; SD3-medium 4096 + 333 tokens, hidden 1536; PixArt-Sigma 4096 tokens,
 hidden 1152).  The SD1.5 UNet has no gated residual (its transformer blocks are plain
-layer-norm blocks), so it has no config here.  Two measurements per config, each the median of
-every timed call over ``--rounds`` rounds interleaved across the implementations (load changes
-on a shared machine hit all of them alike):
+layer-norm blocks), so it has no config here.  Two measurements per config, each the median over
+``--rounds`` rounds interleaved across the implementations of each round's median call (load
+changes on a shared machine hit all of them alike):
 
 * ``epilogue`` (the part the fusion changes): the unfused chain after the GEMM, as eager runs
   it (``res + gate * y``; PixArt: ``res + gate * (y.clone() / 1.0)``, Flux/SD3 attention:
@@ -23,8 +23,11 @@ on a shared machine hit all of them alike):
 
 Achieved bandwidth of the epilogue: ``(y + residual read + out written) / time`` (the gate row
 is negligible): the minimum traffic.  Ratios: eager / fused and inductor / fused (>1: the
-fused step is faster).  Goals: the fused epilogue faster than eager's separate ops and not
-slower than Inductor; the script prints whether they were met.
+fused step is faster), of the medians, and "paired": the median over rounds of each round's
+inductor / fused, which cancels the load drifting between rounds (the GEMM of the chain, 90% of
+its time, moves by several per cent between rounds here).  Goals: the fused epilogue faster
+than eager's separate ops and not slower than Inductor; the script prints whether they were
+met.
 
 Run (from the repository root)::
 
@@ -93,20 +96,31 @@ def chain_fn(variant):
 
 
 def _median_ms(fn, args, rounds_out, calls):
+    times = []
     for _ in range(calls):
         t0 = time.perf_counter()
         fn(*args)
-        rounds_out.append((time.perf_counter() - t0) * 1e3)
+        times.append((time.perf_counter() - t0) * 1e3)
+    rounds_out.append(statistics.median(times))
 
 
-def _interleave(impls: dict, args: dict, rounds: int, calls: int) -> dict:
+def _interleave(impls: dict, args: dict, rounds: int, calls: int) -> tuple[dict, dict]:
+    """``(median ms per implementation, {implementation: [median ms of each round]})``."""
     times = {k: [] for k in impls}
     for fn_name, fn in impls.items():  # warm-up (and compile) every implementation once
         fn(*args[fn_name])
     for _ in range(rounds):
         for k, fn in impls.items():
             _median_ms(fn, args[k], times[k], calls)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return {k: statistics.median(v) for k, v in times.items()}, times
+
+
+def paired_ratio(per_round: dict, num: str, den: str) -> float:
+    """The median over rounds of ``num``'s time / ``den``'s time in the same round: a shared
+    machine's load drifts between rounds, and the two calls of one round see the same load."""
+    if num not in per_round or den not in per_round:
+        return float("nan")
+    return statistics.median(a / b for a, b in zip(per_round[num], per_round[den]))
 
 
 def bench_epilogue(name, args):
@@ -137,11 +151,15 @@ def bench_epilogue(name, args):
     assert torch.equal(impls["fused"](y, gate, res), want), "fused epilogue differs from eager"
     impls["fused_prealloc"](y, gate, res)
     assert torch.equal(out, want), "fused epilogue differs from eager"
-    ms = _interleave(impls, {k: (y, gate, res) for k in impls}, args.rounds, args.calls)
+    ms, per_round = _interleave(impls, {k: (y, gate, res) for k in impls}, args.rounds,
+                                args.calls)
     nbytes = 3 * y.numel() * 4
     return {"config": name, "model": model, "tokens": s, "hidden": c, "variant": variant,
             "ms": ms, "gbps": {k: nbytes / v / 1e6 for k, v in ms.items()},
-            "inductor_compile_s": compile_s}
+            "paired": {"inductor/fused": paired_ratio(per_round, "inductor", "fused"),
+                       "inductor/fused_prealloc": paired_ratio(per_round, "inductor",
+                                                               "fused_prealloc")},
+            "rounds_ms": per_round, "inductor_compile_s": compile_s}
 
 
 def bench_chain(name, args):
@@ -167,9 +185,11 @@ def bench_chain(name, args):
     got = impls["fxb_fused"](*a)
     fires = fxbackend.stats()["fusions_by_rule"].get("gated_residual", 0)
     assert fires == 1 and torch.equal(got, want), (fires, (got - want).abs().max())
-    ms = _interleave(impls, {k: a for k in impls}, args.rounds, 1)
+    ms, per_round = _interleave(impls, {k: a for k in impls}, args.rounds, 1)
     return {"config": name, "model": model, "tokens": s, "hidden": c, "k": k,
-            "variant": variant, "ms": ms, "gflops": 2 * s * c * k / 1e9}
+            "variant": variant, "ms": ms, "gflops": 2 * s * c * k / 1e9,
+            "paired": {"inductor/fxb_fused": paired_ratio(per_round, "inductor", "fxb_fused")},
+            "rounds_ms": per_round}
 
 
 def main(argv=None):
@@ -183,7 +203,7 @@ def main(argv=None):
           f"interleaved rounds")
     print(f"{'epilogue':14s} {'tokens':>6s} {'C':>5s} {'eager':>8s} {'inductor':>9s} "
           f"{'fused':>8s} {'GB/s e/i/f':>18s} {'eager/f':>8s} {'ind/f':>6s} "
-          f"{'prealloc':>9s} {'ind/pre':>8s}")
+          f"{'prealloc':>9s} {'ind/pre':>8s} {'paired ind/f, ind/pre':>22s}")
     goals = []
     for name in args.configs:
         r = bench_epilogue(name, args)
@@ -193,12 +213,13 @@ def main(argv=None):
         print(f"{name:14s} {r['tokens']:6d} {r['hidden']:5d} {ms['eager']:8.2f} {ind:9.2f} "
               f"{ms['fused']:8.2f} {gb['eager']:5.1f}/{gb.get('inductor', float('nan')):5.1f}/"
               f"{gb['fused']:5.1f} {ms['eager'] / ms['fused']:8.2f} {ind / ms['fused']:6.2f} "
-              f"{ms['fused_prealloc']:9.2f} {ind / ms['fused_prealloc']:8.2f}")
+              f"{ms['fused_prealloc']:9.2f} {ind / ms['fused_prealloc']:8.2f} "
+              f"{r['paired']['inductor/fused']:11.3f} {r['paired']['inductor/fused_prealloc']:10.3f}")
         goals.append((name, ms["fused"] < ms["eager"], not ind < ms["fused"],
                       not ind < ms["fused_prealloc"]))
     if not args.no_chain:
         print(f"\n{'chain':14s} {'GFLOP':>6s} {'eager':>9s} {'inductor':>9s} {'fxb unf.':>9s} "
-              f"{'fxb fused':>9s} {'eager/f':>8s} {'unf./f':>7s}")
+              f"{'fxb fused':>9s} {'eager/f':>8s} {'unf./f':>7s} {'ind/f':>6s} {'paired ind/f':>13s}")
         for name in args.chain_configs:
             r = bench_chain(name, args)
             report["chain"].append(r)
@@ -206,7 +227,9 @@ def main(argv=None):
             print(f"{name:14s} {r['gflops']:6.1f} {ms['eager']:9.1f} "
                   f"{ms.get('inductor', float('nan')):9.1f} {ms['fxb_unfused']:9.1f} "
                   f"{ms['fxb_fused']:9.1f} {ms['eager'] / ms['fxb_fused']:8.3f} "
-                  f"{ms['fxb_unfused'] / ms['fxb_fused']:7.3f}")
+                  f"{ms['fxb_unfused'] / ms['fxb_fused']:7.3f} "
+                  f"{ms.get('inductor', float('nan')) / ms['fxb_fused']:6.3f} "
+                  f"{r['paired']['inductor/fxb_fused']:13.3f}")
     print("\ngoals (epilogue): fused faster than eager / not slower than Inductor (fresh "
           "output; preallocated output)")
     for name, faster, not_slower, not_slower_pre in goals:
