@@ -301,9 +301,9 @@ def why_not(x: Any, w: Any, bias: Any, out_dtype: Any, act: Any, gated: Any) -> 
             return "x and w must be 2-D"
         if act == "gelu" and not gated:
             # torch's erf GELU on a contiguous tensor (oneDNN's) is faster than this pass's
-            # erf: 0.41 vs 0.82 ns per float at one thread (0.64 vs 0.77 with _exp_normal).  GEGLU's gate is a strided half,
-            # which torch runs through its vectorised erf: there the pass is level with
-            # Inductor and ahead of eager (scripts/bench_activation.py)
+            # erf: 0.41 vs 0.82 ns per float at one thread (0.64 vs 0.77 with _exp_normal).
+            # GEGLU's gate is a strided half, which torch runs through its vectorised erf:
+            # there the pass is ahead of Inductor's and eager's (scripts/bench_activation.py)
             return "erf GELU: torch's erf GELU (oneDNN) is faster on the CPU than this kernel's"
         return None
     except Exception as exc:  # never raise: decline with the reason

@@ -214,12 +214,14 @@ def main(argv=None):
               f"{ms['fused']:8.2f} {gb['eager']:5.1f}/{gb.get('inductor', float('nan')):5.1f}/"
               f"{gb['fused']:5.1f} {ms['eager'] / ms['fused']:8.2f} {ind / ms['fused']:6.2f} "
               f"{ms['fused_prealloc']:9.2f} {ind / ms['fused_prealloc']:8.2f} "
-              f"{r['paired']['inductor/fused']:11.3f} {r['paired']['inductor/fused_prealloc']:10.3f}")
+              f"{r['paired']['inductor/fused']:11.3f} "
+              f"{r['paired']['inductor/fused_prealloc']:10.3f}")
         goals.append((name, ms["fused"] < ms["eager"], not ind < ms["fused"],
                       not ind < ms["fused_prealloc"]))
     if not args.no_chain:
         print(f"\n{'chain':14s} {'GFLOP':>6s} {'eager':>9s} {'inductor':>9s} {'fxb unf.':>9s} "
-              f"{'fxb fused':>9s} {'eager/f':>8s} {'unf./f':>7s} {'ind/f':>6s} {'paired ind/f':>13s}")
+              f"{'fxb fused':>9s} {'eager/f':>8s} {'unf./f':>7s} {'ind/f':>6s} "
+              f"{'paired ind/f':>13s}")
         for name in args.chain_configs:
             r = bench_chain(name, args)
             report["chain"].append(r)
