@@ -25,7 +25,7 @@ import torch
 
 from .ir import Graph, Node, TensorMeta, node_deps, storage_root
 
-__all__ = ["fold_constants", "MAX_BYTES"]
+__all__ = ["fold_constants", "constant_value", "MAX_BYTES"]
 
 #: the largest value (bytes) a folded step may have; larger ones are computed per call
 MAX_BYTES = 16 * 1024 * 1024
@@ -38,11 +38,58 @@ def _foldable_op(n: Node) -> bool:
         and torch.Tag.nondeterministic_seeded not in t.tags
 
 
+def _evaluate(n: Node, values: dict) -> torch.Tensor | None:
+    """The value of the foldable step ``n`` whose deps' values are in ``values``, laid out as
+    its metadata says; None when it is too large or its op fails or disagrees with the
+    metadata (it then runs per call, where an error surfaces)."""
+    from .native import call_args
+    m = n.meta
+    if m.numel * m.itemsize > MAX_BYTES:
+        return None
+    try:
+        a, kw = call_args(n, values.__getitem__, lambda v: v)
+        out = n.target(*a, **kw)
+    except Exception:
+        return None
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(m.shape) or \
+            out.dtype != m.dtype:
+        return None
+    if n.view_of is None and tuple(out.stride()) != tuple(m.stride):
+        out = torch.empty_strided(m.shape, m.stride, dtype=m.dtype,
+                                  device=out.device).copy_(out)
+    return out
+
+
+def constant_value(node: Node, cache: dict | None = None) -> torch.Tensor | None:
+    """The value of ``node`` when it reads no input: a ``constant`` node's tensor, or a
+    foldable native ATen step (see the module docstring) over such values, evaluated here with
+    the same kernels (bit-identical to a per-call run); else None.  ``cache`` (node -> value)
+    keeps values between calls.  For rewrite rules that need an index or a table the model
+    computes from sizes alone (``RewriteContext.constant``); the graph is not changed."""
+    values = {} if cache is None else cache
+    missing = object()
+
+    def value(n: Node):
+        got = values.get(n, missing)
+        if got is not missing:
+            return got
+        out = None
+        if n.op == "constant":
+            v = n.annotations.get("value")
+            out = v if isinstance(v, torch.Tensor) else None
+        elif _foldable_op(n):
+            deps = node_deps(n)
+            if all(value(d) is not None for d in deps):
+                out = _evaluate(n, values)
+        values[n] = out
+        return out
+    return value(node)
+
+
 def fold_constants(graph: Graph) -> int:
     """Fold the graph's constant steps (module docstring); returns how many steps were folded.
     The folded steps stay in the graph, unread: the caller drops dead nodes."""
     from .fusion import _replace_uses
-    from .native import call_args
 
     written = {storage_root(n) for n in graph.nodes if n.inplace_of is not None}
     returned = {storage_root(o) for o in graph.outputs if isinstance(o, Node)}
@@ -56,22 +103,10 @@ def fold_constants(graph: Graph) -> int:
         if n.op == "constant" or not _foldable_op(n) or \
                 not all(d in values for d in node_deps(n)):
             continue
-        m = n.meta
-        if m.numel * m.itemsize > MAX_BYTES:
-            continue
-        try:
-            a, kw = call_args(n, values.__getitem__, lambda v: v)
-            out = n.target(*a, **kw)
-        except Exception:  # leave it to run per call, where its error (if any) surfaces
-            continue
-        if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(m.shape) or \
-                out.dtype != m.dtype:
-            continue
-        if n.view_of is None and tuple(out.stride()) != tuple(m.stride):
-            out = torch.empty_strided(m.shape, m.stride, dtype=m.dtype,
-                                      device=out.device).copy_(out)
-        values[n] = out
-        folded.append(n)
+        out = _evaluate(n, values)
+        if out is not None:
+            values[n] = out
+            folded.append(n)
     # the folded values a step that runs per call reads, directly or through views (views
     # stay views, of the constant their source becomes); the others need no constant
     folded_set = set(folded)

@@ -32,12 +32,24 @@ _wants_ctx: dict[int, bool] = {}  # id(rule) -> its rewrite takes a RewriteConte
 @dataclasses.dataclass
 class RewriteContext:
     """What a rewrite rule may read besides the graph: the plan's ``options``
-    (:class:`fxbackend.Options`), and :meth:`decline` to report an instance it leaves alone."""
+    (:class:`fxbackend.Options`), :meth:`constant` for the value of an input-free node, and
+    :meth:`decline` to report an instance it leaves alone."""
 
     options: Any
     #: (rule name, [node ids], reason) of every instance declined
     declined: list = dataclasses.field(default_factory=list)
     rule: str = ""
+    _constants: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def constant(self, node: Node) -> Any:
+        """The tensor ``node`` holds on every call when it reads no graph input (a constant,
+        or ATen steps over constants: an index or a table computed from sizes alone), computed
+        now with the op's own kernels; None when it depends on an input (or is too large to
+        evaluate here: ``fxbackend.fold.MAX_BYTES``).  Read-only: do not write to it.  Values
+        are kept for the rest of this rewrite pass: a rule that changes the steps a value
+        came from must not ask for it again."""
+        from .fold import constant_value
+        return constant_value(node, self._constants)
 
     def decline(self, nodes: Sequence[Node] | Node, reason: str) -> None:
         """Record that the running rule leaves ``nodes`` alone because of ``reason`` (shown in

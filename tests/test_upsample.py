@@ -1,0 +1,151 @@
+"""The ``index_upsample`` rewrite (patterns/upsample.py): nearest-neighbour upsampling, which
+reaches the backend as ``_unsafe_index`` by index tensors computed from sizes, runs as two
+copies from broadcast views; bit-identical to eager.  And ``RewriteContext.constant`` /
+``fold.constant_value``, which it reads the indices with."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxbackend
+from fxbackend.fold import constant_value
+
+from conftest import capture, rewrites, tiny_model_outputs
+
+_GATHER = "aten._unsafe_index.Tensor"
+
+
+def _ops(c, args):
+    return [n.op for n in c.graph.plan_for(args).graph.nodes]
+
+
+@pytest.mark.parametrize("shape,scale,mode", [
+    ((1, 4, 5, 7), 2, "nearest"),
+    ((2, 3, 8, 8), 2, "nearest"),
+    ((1, 2, 3, 4), (3, 2), "nearest"),
+    ((1, 2, 6, 5), (1, 3), "nearest"),
+    ((1, 2, 4, 3), (2, 1), "nearest"),
+    ((1, 5, 4, 4), 2, "nearest-exact"),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nearest_upsampling_is_copies(shape, scale, mode, dtype, no_grad):
+    def fn(x):
+        return F.interpolate(x, scale_factor=scale, mode=mode) + 1
+
+    x = torch.randn(*shape).to(dtype)
+    fxbackend.reset_stats()
+    c = capture(fn, x)  # exact: bit-identical to eager
+    assert rewrites("index_upsample") == 1
+    ops = _ops(c, [x])
+    assert _GATHER not in ops and "aten.clone.default" in ops
+    for _ in range(2):  # the plan again, on new values
+        x = torch.randn(*shape).to(dtype)
+        assert torch.equal(c.fn(x), fn(x))
+
+
+def test_returned_upsampling(no_grad):
+    """The upsampled tensor itself is the graph's output."""
+    x = torch.randn(1, 3, 4, 6)
+    fxbackend.reset_stats()
+    c = capture(lambda t: F.interpolate(t, scale_factor=2, mode="nearest"), x)
+    assert rewrites("index_upsample") == 1 and c.out.is_contiguous()
+
+
+def test_other_gathers_are_left_alone(no_grad):
+    """Constant indices that are not an upsampling (rows reversed): declined, with the
+    reason."""
+    def fn(x):
+        rows = torch.arange(2 * x.shape[2], device=x.device).flip(0)[:, None] // 2
+        cols = torch.arange(2 * x.shape[3], device=x.device) // 2
+        return torch.ops.aten._unsafe_index.Tensor(x, [None, None, rows, cols]) * 2
+
+    x = torch.randn(1, 2, 3, 4)
+    fxbackend.reset_stats()
+    c = capture(fn, x)
+    assert rewrites("index_upsample") == 0 and _GATHER in _ops(c, [x])
+    assert "not a nearest-neighbour upsampling" in c.graph.plan_for([x]).report()
+
+
+def test_indices_that_read_an_input_are_left_alone(no_grad):
+    def fn(x, rows):
+        cols = torch.arange(2 * x.shape[3], device=x.device) // 2
+        return torch.ops.aten._unsafe_index.Tensor(x, [None, None, rows[:, None], cols])
+
+    x, rows = torch.randn(1, 2, 3, 4), torch.tensor([0, 0, 1, 1, 2, 2])
+    fxbackend.reset_stats()
+    c = capture(fn, x, rows)
+    assert rewrites("index_upsample") == 0
+    assert "the indices read an input" in c.graph.plan_for([x, rows]).report()
+
+
+def test_channels_last_input(no_grad):
+    """ATen's decomposition gathers a channels-last input into an NCHW result (then copies it
+    to channels-last): the copies read x through its strides."""
+    x = torch.randn(1, 4, 5, 6).to(memory_format=torch.channels_last)
+    fxbackend.reset_stats()
+    c = capture(lambda t: F.interpolate(t, scale_factor=2, mode="nearest") * 3, x)
+    assert rewrites("index_upsample") == 1 and _GATHER not in _ops(c, [x])
+
+
+def _gather_graph(result_stride):
+    """A hand-built graph: ``_unsafe_index(x, [None, None, rows, cols])`` of a 1x2x3x4 input
+    by constant 2x upsampling indices, with the result metadata's strides given."""
+    from fxbackend.ir import Graph, TensorMeta
+    g = Graph()
+    x = g.append(g.new_node("input", meta=TensorMeta.of(torch.empty(1, 2, 3, 4)),
+                            is_input=True))
+    idx = []
+    for value in (torch.arange(6)[:, None] // 2, torch.arange(8) // 2):
+        c = g.append(g.new_node("constant", meta=TensorMeta.of(value), is_weight=True))
+        c.annotations["value"] = value
+        idx.append(c)
+    meta = TensorMeta((1, 2, 6, 8), result_stride, torch.float32, torch.device("cpu"), 0)
+    n = g.append(g.new_node(_GATHER, [x, *idx], {}, meta,
+                            target=torch.ops.aten._unsafe_index.Tensor,
+                            tensor_layout=(("self", True), ("indices", (False, False, True,
+                                                                         True)))))
+    n.is_output = True
+    g.outputs = [n]
+    return g
+
+
+@pytest.mark.parametrize("stride,fires", [((96, 48, 8, 1), True), ((96, 1, 16, 2), False)])
+def test_result_layout(stride, fires):
+    """A result with channels-last strides is declined (the copies write NCHW)."""
+    from fxbackend.patterns.upsample import IndexUpsample
+    from fxbackend.rewrite import RewriteContext
+    g = _gather_graph(stride)
+    ctx = RewriteContext(options=None, rule="index_upsample")
+    assert IndexUpsample().rewrite(g, ctx) == int(fires)
+    assert (g.outputs[0].op == _GATHER) != fires
+    if not fires:
+        assert ctx.declined and "not contiguous NCHW" in ctx.declined[0][2]
+    else:
+        assert g.outputs[0].op == "aten.view.default" and g.outputs[0].meta.shape == (1, 2, 6, 8)
+
+
+def test_unet_upsampler(no_grad):
+    got, want = tiny_model_outputs("unet")
+    assert rewrites("index_upsample") == 1  # the tiny UNet's one up block with an upsampler
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_constant_value():
+    from fxbackend.ir import Graph, TensorMeta
+    g = Graph()
+    value = torch.arange(6, dtype=torch.float32)
+    c = g.append(g.new_node("constant", meta=TensorMeta.of(value), is_weight=True))
+    c.annotations["value"] = value
+    x = g.append(g.new_node("input", meta=TensorMeta.of(value), is_input=True))
+    op = torch.ops.aten.mul.Tensor
+    layout = (("self", True), ("other", True))
+    sq = g.append(g.new_node("aten.mul.Tensor", [c, c], {}, TensorMeta.of(value), target=op,
+                             tensor_layout=layout))
+    mixed = g.append(g.new_node("aten.mul.Tensor", [sq, x], {}, TensorMeta.of(value),
+                                target=op, tensor_layout=layout))
+    cache: dict = {}
+    assert torch.equal(constant_value(sq, cache), value * value)
+    assert sq in cache and constant_value(c) is value
+    assert constant_value(mixed, cache) is None and constant_value(x) is None
+    assert len(g.nodes) == 4  # the graph is not changed
