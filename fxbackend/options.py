@@ -52,6 +52,10 @@ class Options:
     - ``concat_in_place``: producers write straight into the result of a concatenation where
       its layout allows, and cats that re-assemble slices of one tensor are elided
       (``fxbackend.concat``; default True, ``FXB_CONCAT_IN_PLACE=0`` turns it off).
+    - ``disable_rewrites``: names of rewrite rules not to run (``FXB_DISABLE_REWRITES=a,b``;
+      a string of comma-separated names or a sequence of names; default none), for A/B
+      measurements and to rule a rewrite out when debugging.  A name no registered rule has
+      is an error when the plan is built.
     - ``profile``: time every step (``FXB_PROFILE=1``); ``Plan.profile_report()`` /
       ``CompiledGraph.profile_report()`` say where the time went.  Steps run one at a time
       (no concurrent regions, no CUDA graph; CUDA synchronises around each step).
@@ -73,6 +77,17 @@ class Options:
     concat_in_place: bool = True
     attention_dtype: str | None = None
     profile: bool = False
+    disable_rewrites: tuple = ()
+
+
+def _names(v: Any, what: str) -> tuple:
+    """A tuple of names from a comma-separated string or a sequence of strings."""
+    if isinstance(v, str):
+        return tuple(n.strip() for n in v.split(",") if n.strip())
+    if isinstance(v, (list, tuple, set, frozenset)) and all(isinstance(n, str) for n in v):
+        return tuple(sorted(v)) if isinstance(v, (set, frozenset)) else tuple(v)
+    raise ValueError(f"fxbackend option {what!r} must be a comma-separated str or a sequence "
+                     f"of rule names, got {v!r}")
 
 
 def parse_options(options: Mapping[str, Any] | None = None) -> Options:
@@ -90,6 +105,9 @@ def parse_options(options: Mapping[str, Any] | None = None) -> Options:
         "concat_in_place": lambda: _env_flag("FXB_CONCAT_IN_PLACE"),
         "profile": lambda: _env_flag("FXB_PROFILE"),
         "attention_dtype": lambda: os.environ.get("FXB_ATTENTION_DTYPE") or None,
+        "disable_rewrites": lambda: _names(os.environ["FXB_DISABLE_REWRITES"],
+                                           "disable_rewrites")
+        if os.environ.get("FXB_DISABLE_REWRITES") else None,
     }
     for name, read in env.items():
         v = read()
@@ -112,6 +130,8 @@ def parse_options(options: Mapping[str, Any] | None = None) -> Options:
                                  f"got {v!r}")
         elif key in ("quantize", "attention_dtype"):
             pass  # checked below, with the environment's value
+        elif key == "disable_rewrites":
+            v = _names(v, key)
         elif key == "convrot_group":
             if isinstance(v, bool) or v not in CONVROT_GROUPS:
                 raise ValueError(f"fxbackend option 'convrot_group' must be one of "

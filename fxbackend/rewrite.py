@@ -84,12 +84,20 @@ def register_rewrite(rule: Any) -> Any:
     return rule
 
 
-def unregister_rewrite(rule: Any) -> None:
-    """Remove a rule registered with :func:`register_rewrite`."""
+def unregister_rewrite(rule: Any) -> Any:
+    """Remove a rule registered with :func:`register_rewrite`: the instance it returned, or
+    the class it was given (its one registered instance).  Returns the instance removed (to
+    register again later); raises ValueError naming ``rule`` when none is registered."""
     with _lock:
-        _rules.remove(rule)
-        _wants_ctx.pop(id(rule), None)
+        found = next((r for r in _rules if r is rule or
+                      (isinstance(rule, type) and type(r) is rule)), None)
+        if found is None:
+            raise ValueError(f"unregister_rewrite: {rule!r} is not a registered rewrite rule "
+                             f"(registered: {[r.name for r in _rules]})")
+        _rules.remove(found)
+        _wants_ctx.pop(id(found), None)
         registry._bump()
+    return found
 
 
 def rewrites() -> list[Any]:
@@ -107,13 +115,23 @@ def replace_uses(graph: Graph, old: Node, new: Node) -> None:
 
 
 def apply_rewrites(graph: Graph, ctx: RewriteContext | None = None) -> dict[str, int]:
-    """Run every rule once over ``graph``; returns ``{rule name: instances replaced}``.
+    """Run every rule once over ``graph``, except those the options' ``disable_rewrites``
+    names (a name no rule has is a ValueError); returns ``{rule name: instances replaced}``.
     ``ctx`` (default: default options) goes to the rules whose ``rewrite`` takes one."""
     if ctx is None:
         from .options import Options
         ctx = RewriteContext(Options())
+    rules = rewrites()
+    skip = set(getattr(ctx.options, "disable_rewrites", ()) or ())
+    unknown = skip - {r.name for r in rules}
+    if unknown:
+        raise ValueError(f"fxbackend option 'disable_rewrites' (or FXB_DISABLE_REWRITES) names "
+                         f"no registered rewrite rule: {sorted(unknown)}; registered: "
+                         f"{sorted(r.name for r in rules)}")
     done: dict[str, int] = {}
-    for rule in rewrites():
+    for rule in rules:
+        if rule.name in skip:
+            continue
         if _wants_ctx.get(id(rule), False):
             ctx.rule = rule.name
             n = int(rule.rewrite(graph, ctx) or 0)

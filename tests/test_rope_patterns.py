@@ -211,3 +211,19 @@ def test_rope_tables_op_rejects_real_freqs():
     with pytest.raises(ValueError, match="part"):
         RopeTables().infer_meta([c], {"part": "tan"})
     assert RopeTables().infer_meta([c], {"part": "sin"}).shape == (5, 8)
+
+
+def test_unregister_rewrite_by_class_and_unknown_rule():
+    class Noop:
+        name = "test_unregister_noop"
+
+        def rewrite(self, graph):
+            return 0
+
+    instance = fxbackend.register_rewrite(Noop)
+    assert fxbackend.unregister_rewrite(Noop) is instance  # the class finds its instance
+    assert all(r.name != "test_unregister_noop" for r in fxbackend.rewrite.rewrites())
+    with pytest.raises(ValueError, match="not a registered rewrite rule"):
+        fxbackend.unregister_rewrite(Noop)
+    with pytest.raises(ValueError, match="not a registered rewrite rule"):
+        fxbackend.unregister_rewrite(instance)

@@ -149,3 +149,22 @@ def test_constant_value():
     assert sq in cache and constant_value(c) is value
     assert constant_value(mixed, cache) is None and constant_value(x) is None
     assert len(g.nodes) == 4  # the graph is not changed
+
+
+def test_disable_rewrites_option(no_grad, monkeypatch):
+    """``disable_rewrites`` (or FXB_DISABLE_REWRITES) keeps the named rules from running; a
+    name no rule has is an error naming it."""
+    def fn(x):
+        return F.interpolate(x, scale_factor=2, mode="nearest") - 1
+
+    x = torch.randn(1, 2, 3, 4)
+    fxbackend.reset_stats()
+    c = capture(fn, x, options={"disable_rewrites": "index_upsample"})
+    assert rewrites("index_upsample") == 0 and _GATHER in _ops(c, [x])
+    monkeypatch.setenv("FXB_DISABLE_REWRITES", "identity_arith, index_upsample")
+    assert fxbackend.parse_options().disable_rewrites == ("identity_arith", "index_upsample")
+    monkeypatch.delenv("FXB_DISABLE_REWRITES")
+    with pytest.raises(Exception, match="no registered rewrite rule.*index_upsampel"):
+        capture(fn, x, options={"disable_rewrites": ["index_upsampel"]})
+    with pytest.raises(ValueError, match="disable_rewrites"):
+        fxbackend.parse_options({"disable_rewrites": 1})
