@@ -18,9 +18,11 @@ repeated ``sh`` times (``[B, C, H, sh, W * sw]``), which is the result viewed as
 the gather's 1.30 ms and Inductor's fused loop's 0.62 ms; 2.5-3.5x the gather on SD1.5's
 shapes, behind Inductor on 8x8 maps (0.70 vs 0.51 ms: copies of 8-float rows).
 
-Declined, with the reason in the plan's report: a result not contiguous NCHW, indices
-that read an input, and indices that are not such an upsampling.  Index lists of another form
-(other dims indexed, or other ranks) are not this idiom and are left alone silently.
+CPU only: the two copies move 1.5x the gather's bytes, which a GPU's gather kernel may well
+beat; that is unmeasured, so the rule leaves other devices alone.  Declined, with the reason in
+the plan's report: a result not contiguous NCHW, indices that read an input, and indices that
+are not such an upsampling.  Index lists of another form (other dims indexed, or other ranks)
+are not this idiom and are left alone silently.
 """
 from __future__ import annotations
 
@@ -95,7 +97,8 @@ class IndexUpsample:
             x, rows_n, cols_n = n.srcs
             mx, mn = x.meta, n.meta
             if not (isinstance(mx, TensorMeta) and isinstance(mn, TensorMeta)) or \
-                    len(mx.shape) != 4 or mx.is_symbolic or mn.is_symbolic:
+                    len(mx.shape) != 4 or mx.is_symbolic or mn.is_symbolic or \
+                    mx.device.type != "cpu":
                 continue
             if not _contiguous(mn):
                 ctx.decline(n, "the result is not contiguous NCHW (the copies write NCHW)")

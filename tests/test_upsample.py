@@ -88,19 +88,19 @@ def test_channels_last_input(no_grad):
     assert rewrites("index_upsample") == 1 and _GATHER not in _ops(c, [x])
 
 
-def _gather_graph(result_stride):
+def _gather_graph(result_stride, device="cpu"):
     """A hand-built graph: ``_unsafe_index(x, [None, None, rows, cols])`` of a 1x2x3x4 input
     by constant 2x upsampling indices, with the result metadata's strides given."""
     from fxbackend.ir import Graph, TensorMeta
     g = Graph()
-    x = g.append(g.new_node("input", meta=TensorMeta.of(torch.empty(1, 2, 3, 4)),
-                            is_input=True))
+    xm = TensorMeta((1, 2, 3, 4), (24, 12, 4, 1), torch.float32, torch.device(device), 0)
+    x = g.append(g.new_node("input", meta=xm, is_input=True))
     idx = []
     for value in (torch.arange(6)[:, None] // 2, torch.arange(8) // 2):
         c = g.append(g.new_node("constant", meta=TensorMeta.of(value), is_weight=True))
         c.annotations["value"] = value
         idx.append(c)
-    meta = TensorMeta((1, 2, 6, 8), result_stride, torch.float32, torch.device("cpu"), 0)
+    meta = TensorMeta((1, 2, 6, 8), result_stride, torch.float32, torch.device(device), 0)
     n = g.append(g.new_node(_GATHER, [x, *idx], {}, meta,
                             target=torch.ops.aten._unsafe_index.Tensor,
                             tensor_layout=(("self", True), ("indices", (False, False, True,
@@ -123,6 +123,16 @@ def test_result_layout(stride, fires):
         assert ctx.declined and "not contiguous NCHW" in ctx.declined[0][2]
     else:
         assert g.outputs[0].op == "aten.view.default" and g.outputs[0].meta.shape == (1, 2, 6, 8)
+
+
+def test_other_devices_are_left_alone():
+    """The rule is the CPU's: a gather on another device stays (no decline either)."""
+    from fxbackend.patterns.upsample import IndexUpsample
+    from fxbackend.rewrite import RewriteContext
+    g = _gather_graph((96, 48, 8, 1), device="cuda")
+    ctx = RewriteContext(options=None, rule="index_upsample")
+    assert IndexUpsample().rewrite(g, ctx) == 0 and g.outputs[0].op == _GATHER
+    assert not ctx.declined
 
 
 def test_unet_upsampler(no_grad):
