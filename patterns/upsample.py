@@ -1,28 +1,30 @@
-"""Nearest-neighbour upsampling gathered by index becomes two broadcast copies.
+"""Nearest-neighbour upsampling gathered by index becomes copies from broadcast views.
 
 ``F.interpolate(x, scale_factor=2, mode="nearest")`` (diffusers' ``Upsample2D`` in every SD and
-SDXL UNet decoder stage, and in their VAE decoders) reaches the backend decomposed into
-``aten._unsafe_index(x, [None, None, rows, cols])`` with ``rows`` ``[H_out, 1]`` and ``cols``
-``[W_out]`` index tensors computed from sizes alone.  Run as it is, that is ATen's generic
-gather: on the small UNet 1.2 ms for a 1.6 MB result (1.3 GB/s, one thread); eager's
-``upsample_nearest2d`` kernel is no faster there (1.2 ms).
+SDXL UNet decoder stage and their VAE decoders; ``Upsample1D``; 3-D video VAEs' spatial and
+temporal upsampling) reaches the backend decomposed into ``aten._unsafe_index(x, [None, None,
+*idx])``, one index tensor per spatial dim computed from sizes alone (``[H_out, 1]`` and
+``[W_out]`` in 2-D).  Run as it is, that is ATen's generic gather: on the small UNet 1.2 ms for
+a 1.6 MB result (1.3 GB/s, one thread); eager's ``upsample_nearest2d`` kernel is no faster
+there (1.2 ms).
 
-The rewrite rule ``index_upsample`` reads the two index tensors (``RewriteContext.constant``:
-they read no input) and, when they are ``arange(H * sh) // sh`` and ``arange(W * sw) // sw``
-for integer factors ``sh``, ``sw`` (nearest, and nearest-exact, at integer factors), replaces
-the gather by two copies from broadcast views: each pixel repeated ``sw`` times along its row
+The rewrite rule ``index_upsample`` reads the index tensors (``RewriteContext.constant``: they
+read no input) and, when each is ``arange(S * f) // f`` for an integer factor ``f`` (nearest,
+and nearest-exact, at integer factors), replaces the gather by one copy per factor above 1,
+from the last spatial dim to the first: in 2-D each pixel repeated ``sw`` times along its row
 (``x[..., None].expand(..., sw)``, copied to ``[B, C, H, W * sw]``), then each such row
 repeated ``sh`` times (``[B, C, H, sh, W * sw]``), which is the result viewed as
-``[B, C, H * sh, W * sw]``.  Both are plain copies of x's values: bit-identical.  Small UNet,
-``[1, 256, 20, 20]`` to 40 x 40, one thread (``scripts/bench_upsample.py``): 0.38 ms against
-the gather's 1.30 ms and Inductor's fused loop's 0.62 ms; 2.5-3.5x the gather on SD1.5's
-shapes, behind Inductor on 8x8 maps (0.70 vs 0.51 ms: copies of 8-float rows).
+``[B, C, H * sh, W * sw]``; in 3-D the planes next.  All are plain copies of x's values:
+bit-identical.  Small UNet, ``[1, 256, 20, 20]`` to 40 x 40, one thread
+(``scripts/bench_upsample.py``): 0.38 ms against the gather's 1.30 ms and Inductor's fused
+loop's 0.62 ms; 2.5-3.5x the gather on SD1.5's shapes, behind Inductor on 8x8 maps (0.70 vs
+0.51 ms: copies of 8-float rows).
 
-CPU only: the two copies move 1.5x the gather's bytes, which a GPU's gather kernel may well
+CPU only: in 2-D the copies move 1.5x the gather's bytes, which a GPU's gather kernel may well
 beat; that is unmeasured, so the rule leaves other devices alone.  Declined, with the reason in
-the plan's report: a result not contiguous NCHW, indices that read an input, and indices that
-are not such an upsampling.  Index lists of another form (other dims indexed, or other ranks)
-are not this idiom and are left alone silently.
+the plan's report: a result not in the default (contiguous) layout, indices that read an input,
+and indices that are not such an upsampling.  Index lists of another form (other dims indexed,
+or more than 3 spatial dims) are not this idiom and are left alone silently.
 """
 from __future__ import annotations
 
@@ -47,20 +49,42 @@ def _contiguous(m: TensorMeta) -> bool:
     return True
 
 
-def _factors(rows: torch.Tensor, cols: torch.Tensor, h: int, w: int) -> tuple | None:
-    """``(sh, sw)`` when ``rows`` is ``arange(h * sh)[:, None] // sh`` and ``cols``
-    ``arange(w * sw) // sw`` for integers ``sh, sw >= 1``, else None."""
-    if rows.dim() != 2 or rows.shape[1] != 1 or cols.dim() != 1 or \
-            rows.dtype not in (torch.int64, torch.int32) or cols.dtype != rows.dtype or \
-            rows.shape[0] % h or cols.shape[0] % w:
-        return None
-    sh, sw = rows.shape[0] // h, cols.shape[0] // w
-    if sh < 1 or sw < 1:
-        return None
-    want_rows = torch.arange(h * sh, dtype=rows.dtype) // sh
-    want_cols = torch.arange(w * sw, dtype=cols.dtype) // sw
-    ok = torch.equal(rows.reshape(-1).cpu(), want_rows) and torch.equal(cols.cpu(), want_cols)
-    return (sh, sw) if ok else None
+def _factors(indices: list, sizes: tuple) -> list | None:
+    """The integer factors ``f_j >= 1`` when ``indices[j]`` is ``arange(sizes[j] * f_j) //
+    f_j`` shaped ``[sizes[j] * f_j, 1, ..., 1]`` (one 1 per later spatial dim: the
+    decomposition's broadcast layout), else None."""
+    factors = []
+    for j, (idx, size) in enumerate(zip(indices, sizes)):
+        trailing = len(sizes) - 1 - j
+        if idx.dim() != 1 + trailing or any(d != 1 for d in idx.shape[1:]) or \
+                idx.dtype not in (torch.int64, torch.int32) or idx.shape[0] % size:
+            return None
+        f = idx.shape[0] // size
+        if f < 1 or not torch.equal(idx.reshape(-1).cpu(),
+                                    torch.arange(size * f, dtype=idx.dtype) // f):
+            return None
+        factors.append(f)
+    return factors
+
+
+def _copy_steps(shape: tuple, factors: list) -> list:
+    """The ``(op, params, is a view)`` steps that upsample a contiguous ``shape`` ``[B, C,
+    *spatial]`` by ``factors``: from the last spatial dim to the first, each element (a row,
+    a plane) repeated ``f`` times (``unsqueeze`` after the dim, ``expand`` to ``f``, a
+    contiguous ``clone``, a ``view`` merging the two), skipping factors of 1 (one ``clone``
+    when all are 1: the gather's own copy)."""
+    copy = ("clone", {"memory_format": torch.contiguous_format}, False)
+    cur = list(shape)
+    steps: list = []
+    for j in reversed(range(len(factors))):
+        f, d = factors[j], 2 + j
+        if f == 1:
+            continue
+        steps += [("unsqueeze", {"dim": d + 1}, True),
+                  ("expand", {"size": cur[:d + 1] + [f] + cur[d + 1:]}, True), copy]
+        cur[d] *= f
+        steps.append(("view", {"size": list(cur)}, True))
+    return steps or [copy]
 
 
 def _insert_chain(graph, at: Node, x: Node, steps: list) -> Node:
@@ -89,41 +113,35 @@ class IndexUpsample:
     name = "index_upsample"
 
     def rewrite(self, graph, ctx) -> int:
-        """Replace every nearest-upsampling gather by broadcast copies; returns how many."""
+        """Replace every nearest-upsampling gather (1, 2 or 3 spatial dims) by broadcast
+        copies; returns how many."""
         count = 0
         for n in list(graph.nodes):
-            if n.op != _OP or dict(n.tensor_layout).get("indices") != (False, False, True, True):
+            spec = dict(n.tensor_layout).get("indices") if n.op == _OP else None
+            if not spec or spec[:2] != (False, False) or not all(spec[2:]) or \
+                    len(spec) not in (3, 4, 5):
                 continue
-            x, rows_n, cols_n = n.srcs
+            x, idx_nodes = n.srcs[0], n.srcs[1:]
             mx, mn = x.meta, n.meta
             if not (isinstance(mx, TensorMeta) and isinstance(mn, TensorMeta)) or \
-                    len(mx.shape) != 4 or mx.is_symbolic or mn.is_symbolic or \
+                    len(mx.shape) != len(spec) or mx.is_symbolic or mn.is_symbolic or \
                     mx.device.type != "cpu":
                 continue
             if not _contiguous(mn):
-                ctx.decline(n, "the result is not contiguous NCHW (the copies write NCHW)")
+                ctx.decline(n, "the result is not contiguous (the copies write the default "
+                               "layout)")
                 continue
-            rows, cols = ctx.constant(rows_n), ctx.constant(cols_n)
-            if rows is None or cols is None:
+            indices = [ctx.constant(i) for i in idx_nodes]
+            if any(i is None for i in indices):
                 ctx.decline(n, "the indices read an input (not computed from sizes alone)")
                 continue
-            b, c, h, w = mx.shape
-            factors = _factors(rows, cols, h, w)
-            if factors is None or tuple(mn.shape) != (b, c, h * factors[0], w * factors[1]):
+            factors = _factors(indices, tuple(mx.shape[2:]))
+            if factors is None or tuple(mn.shape) != tuple(mx.shape[:2]) + tuple(
+                    s * f for s, f in zip(mx.shape[2:], factors)):
                 ctx.decline(n, "the indices are not a nearest-neighbour upsampling by integer "
                                "factors")
                 continue
-            sh, sw = factors
-            copy = ("clone", {"memory_format": torch.contiguous_format}, False)
-            steps = []
-            if sw > 1:  # each pixel sw times along its row
-                steps += [("unsqueeze", {"dim": 4}, True),
-                          ("expand", {"size": [b, c, h, w, sw]}, True), copy,
-                          ("view", {"size": [b, c, h, w * sw]}, True)]
-            if sh > 1 or not steps:  # each row sh times (or the gather's copy of x)
-                steps += [("unsqueeze", {"dim": 3}, True),
-                          ("expand", {"size": [b, c, h, sh, w * sw]}, True), copy]
-            steps.append(("view", {"size": [b, c, h * sh, w * sw]}, True))
+            steps = _copy_steps(tuple(mx.shape), factors)
             out = _insert_chain(graph, n, x, steps)
             fxbackend.replace_uses(graph, n, out)
             count += 1

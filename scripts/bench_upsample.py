@@ -7,7 +7,8 @@ The function timed is diffusers' ``Upsample2D`` without its convolution::
     F.interpolate(x, scale_factor=2.0, mode="nearest")
 
 with x float32 NCHW of the shapes in :data:`CONFIGS` (the small UNet of ``fxbackend.models``
-and SD1.5's decoder at 512x512, batch 2 for classifier-free guidance).  Implementations,
+and SD1.5's decoder at 512x512, batch 2 for classifier-free guidance), and one 5-D video
+latent (``NCDHW``: ``upsample_nearest3d``, every dim doubled).  Implementations,
 interleaved in ``--rounds`` rounds (a shared machine's load hits all alike), median ms:
 
 * ``eager``: the function (ATen's ``upsample_nearest2d`` kernel);
@@ -45,6 +46,7 @@ CONFIGS = [
     ("sd15_8", (2, 1280, 8, 8)),
     ("sd15_16", (2, 1280, 16, 16)),
     ("sd15_32", (2, 640, 32, 32)),
+    ("video_3d", (1, 128, 4, 16, 16)),  # a 5-D (frames, height, width) latent: all three 2x
 ]
 
 
