@@ -13,16 +13,19 @@ before fusion.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import threading
 from typing import Any, Sequence
 
+import torch
+
 from . import registry
-from .ir import Graph, Node
+from .ir import Graph, Node, TensorMeta
 
 __all__ = ["register_rewrite", "unregister_rewrite", "rewrites", "apply_rewrites",
-           "replace_uses", "RewriteContext"]
+           "replace_uses", "RewriteContext", "AtenBuilder", "result_meta"]
 
 _lock = threading.RLock()
 _rules: list[Any] = []
@@ -140,3 +143,56 @@ def apply_rewrites(graph: Graph, ctx: RewriteContext | None = None) -> dict[str,
         if n:
             done[rule.name] = n
     return done
+
+
+def result_meta(node: Node, metas: dict | None = None, fake: bool = False) -> TensorMeta | None:
+    """``node``'s result metadata for sources laid out as ``metas`` says (else as their own
+    metadata): its op run on the meta device, where views and most ops follow the same stride
+    rules as on any other, or with ``fake`` on fake tensors of the sources' device (what a CPU
+    convolution needs: the meta device's ignores the CPU's channels-last rule).  None when
+    the op cannot run so."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .native import call_args
+    metas = metas or {}
+
+    def src(s: Node) -> torch.Tensor:
+        m = metas.get(s, s.meta)
+        return torch.empty_strided(m.shape, m.stride, dtype=m.dtype,
+                                   device=m.device if fake else "meta")
+
+    try:
+        with FakeTensorMode() if fake else contextlib.nullcontext():
+            a, kw = call_args(node, src, lambda v: v)
+            out = node.target(*a, **kw)
+    except Exception:  # no meta/fake implementation for these arguments
+        return None
+    if not isinstance(out, torch.Tensor):
+        return None
+    return TensorMeta(tuple(out.shape), tuple(out.stride()), out.dtype,
+                      node.srcs[0].meta.device, out.storage_offset())
+
+
+class AtenBuilder:
+    """Inserts ATen nodes before ``at`` in ``graph`` for a rewrite rule:
+    ``make = AtenBuilder(graph, at); y = make("addmm", [b, x, w])``, ``make("view", [y],
+    {"size": [...]})``.  Each node takes its ``.default`` overload, one source per Tensor
+    argument of its schema (in order), the metadata its op gives on the meta device
+    (:func:`result_meta`), and is a view of its first source when the schema says the result
+    aliases it (``view``, ``t``, ``permute``, ``unsqueeze``, ``expand``, ...)."""
+
+    def __init__(self, graph: Graph, at: Node) -> None:
+        self.graph, self.at = graph, at
+
+    def __call__(self, name: str, srcs: list, params: dict | None = None) -> Node:
+        op = getattr(torch.ops.aten, name).default
+        layout = tuple((a.name, True) for a in op._schema.arguments
+                       if isinstance(a.type, torch.TensorType))
+        alias = op._schema.returns[0].alias_info
+        node = self.graph.new_node(f"aten.{name}.default", srcs, params or {}, None,
+                                   target=op, tensor_layout=layout,
+                                   view_of=srcs[0] if alias is not None and not alias.is_write
+                                   else None)
+        node.meta = result_meta(node)
+        self.graph.insert(self.graph.nodes.index(self.at), node)
+        return node

@@ -50,14 +50,13 @@ the small UNet).  A batch of several images keeps its convolutions.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 import fxbackend
 from fxbackend import Node, TensorMeta, contiguous_strides
 from fxbackend.concat import POINTWISE_OPS
 from fxbackend.ir import storage_root
+from fxbackend.rewrite import AtenBuilder, result_meta
 
 __all__ = ["ConvChannelsLast", "CONV_OP", "channels_last_strides"]
 
@@ -71,32 +70,6 @@ def channels_last_strides(shape) -> tuple:
     return (h * w * c, 1, w * c, c)
 
 
-def _result_meta(node: Node, metas: dict, fake: bool = False) -> TensorMeta | None:
-    """``node``'s result metadata for sources laid out as ``metas`` says (else as their own
-    metadata): its op run on the meta device, where views and most ops follow the same stride
-    rules as on any other, or with ``fake`` on fake tensors of the sources' device (what the
-    convolution needs: the meta device's ignores the CPU's channels-last rule).  None when
-    the op cannot run so."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from fxbackend.native import call_args
-
-    def src(s: Node) -> torch.Tensor:
-        m = metas.get(s, s.meta)
-        return torch.empty_strided(m.shape, m.stride, dtype=m.dtype,
-                                   device=m.device if fake else "meta")
-
-    try:
-        with FakeTensorMode() if fake else contextlib.nullcontext():
-            a, kw = call_args(node, src, lambda v: v)
-            out = node.target(*a, **kw)
-    except Exception:  # no meta/fake implementation for these arguments
-        return None
-    if not isinstance(out, torch.Tensor):
-        return None
-    return TensorMeta(tuple(out.shape), tuple(out.stride()), out.dtype,
-                      node.srcs[0].meta.device, out.storage_offset())
-
-
 def _pointwise_1x1(conv: Node) -> bool:
     """A 1x1 convolution over one float32 image: a GEMM over its pixels."""
     p = conv.params
@@ -107,34 +80,13 @@ def _pointwise_1x1(conv: Node) -> bool:
         and list(p.get("dilation", ())) == [1, 1] and p.get("groups") == 1
 
 
-class _Builder:
-    """Inserts ATen nodes (``make("addmm", [b, x, w])``) before ``at`` in ``graph``, each with
-    the metadata its op gives on the meta device."""
-
-    _VIEWS = ("view", "t", "permute")
-
-    def __init__(self, graph, at: Node) -> None:
-        self.graph, self.at = graph, at
-
-    def __call__(self, name: str, srcs: list, params: dict | None = None) -> Node:
-        op = getattr(torch.ops.aten, name).default
-        layout = tuple((a.name, True) for a in op._schema.arguments
-                       if isinstance(a.type, torch.TensorType))
-        node = self.graph.new_node(f"aten.{name}.default", srcs, params or {}, None,
-                                   target=op, tensor_layout=layout,
-                                   view_of=srcs[0] if name in self._VIEWS else None)
-        node.meta = _result_meta(node, {})
-        self.graph.insert(self.graph.nodes.index(self.at), node)
-        return node
-
-
 def _gemm_token_rows(graph, conv: Node) -> Node:
     """A 1x1 convolution of NCHW ``x`` as the GEMM ``x^T W^T (+ b)`` over its pixels, whose
     ``[H*W, C]`` result is returned viewed as ``[1, C, H, W]`` (channels-last strides)."""
     x, w = conv.srcs[0], conv.srcs[1]
     _, c_in, h, wd = x.meta.shape
     c_out = conv.meta.shape[1]
-    make = _Builder(graph, conv)
+    make = AtenBuilder(graph, conv)
     xt = make("t", [make("view", [x], {"size": [c_in, h * wd]})])
     wt = make("t", [make("view", [w], {"size": [c_out, c_in]})])
     y = make("addmm", [conv.srcs[2], xt, wt]) if len(conv.srcs) > 2 \
@@ -149,7 +101,7 @@ def _gemm_from_rows(graph, conv: Node, v: Node) -> Node | None:
     w = conv.srcs[1]
     _, c_in, h, wd = v.meta.shape
     c_out = conv.meta.shape[1]
-    make = _Builder(graph, conv)
+    make = AtenBuilder(graph, conv)
     v2 = make("view", [v], {"size": [c_in, h * wd]})
     w2 = make("view", [w], {"size": [c_out, c_in]})
     if len(conv.srcs) > 2:
@@ -215,13 +167,13 @@ class ConvChannelsLast:
             x_cl = TensorMeta(xm.shape, channels_last_strides(xm.shape), xm.dtype, xm.device)
             cm = conv.meta
             new = TensorMeta(cm.shape, channels_last_strides(cm.shape), cm.dtype, cm.device) \
-                if one else _result_meta(conv, {x: x_cl}, fake=True)
+                if one else result_meta(conv, {x: x_cl}, fake=True)
             if new is None or tuple(new.shape) != tuple(cm.shape) or \
                     tuple(new.stride) != channels_last_strides(new.shape):
                 continue
             metas = {conv: new}
             for v in views:  # users come after their sources in ``views``' order
-                vm = _result_meta(v, metas)
+                vm = result_meta(v, metas)
                 if vm is None or tuple(vm.shape) != tuple(v.meta.shape):
                     metas = None
                     break
@@ -237,7 +189,7 @@ class ConvChannelsLast:
                                   f"would cost more than the transposed reads it saves")
                 continue
             else:
-                clone = _Builder(graph, conv)("clone", [x],
+                clone = AtenBuilder(graph, conv)("clone", [x],
                                               {"memory_format": torch.channels_last})
                 conv.srcs = [clone] + conv.srcs[1:]
             old = {e: e.meta for e in ends}

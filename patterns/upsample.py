@@ -33,20 +33,11 @@ import torch
 import fxbackend
 from fxbackend import TensorMeta
 from fxbackend.ir import Node
+from fxbackend.rewrite import AtenBuilder
 
 __all__ = ["IndexUpsample"]
 
 _OP = "aten._unsafe_index.Tensor"
-
-
-def _contiguous(m: TensorMeta) -> bool:
-    """Whether ``m`` has the default (row-major) strides (sizes-1 dims may have any)."""
-    expect = 1
-    for size, stride in reversed(list(zip(m.shape, m.stride))):
-        if size != 1 and stride != expect:
-            return False
-        expect *= size
-    return True
 
 
 def _factors(indices: list, sizes: tuple) -> list | None:
@@ -67,44 +58,25 @@ def _factors(indices: list, sizes: tuple) -> list | None:
     return factors
 
 
-def _copy_steps(shape: tuple, factors: list) -> list:
-    """The ``(op, params, is a view)`` steps that upsample a contiguous ``shape`` ``[B, C,
-    *spatial]`` by ``factors``: from the last spatial dim to the first, each element (a row,
-    a plane) repeated ``f`` times (``unsqueeze`` after the dim, ``expand`` to ``f``, a
-    contiguous ``clone``, a ``view`` merging the two), skipping factors of 1 (one ``clone``
-    when all are 1: the gather's own copy)."""
-    copy = ("clone", {"memory_format": torch.contiguous_format}, False)
-    cur = list(shape)
-    steps: list = []
+def _upsample(make: AtenBuilder, x: Node, factors: list) -> Node:
+    """``x`` (contiguous ``[B, C, *spatial]`` metadata) upsampled by ``factors`` through nodes
+    ``make`` inserts: from the last spatial dim to the first, each element (a row, a plane)
+    repeated ``f`` times (``unsqueeze`` after the dim, ``expand`` to ``f``, a contiguous
+    ``clone``, a ``view`` merging the two), factors of 1 skipped (one ``clone`` when all are
+    1: the gather's own copy)."""
+    cur, out = list(x.meta.shape), x
     for j in reversed(range(len(factors))):
         f, d = factors[j], 2 + j
         if f == 1:
             continue
-        steps += [("unsqueeze", {"dim": d + 1}, True),
-                  ("expand", {"size": cur[:d + 1] + [f] + cur[d + 1:]}, True), copy]
+        out = make("expand", [make("unsqueeze", [out], {"dim": d + 1})],
+                   {"size": cur[:d + 1] + [f] + cur[d + 1:]})
+        out = make("clone", [out], {"memory_format": torch.contiguous_format})
         cur[d] *= f
-        steps.append(("view", {"size": list(cur)}, True))
-    return steps or [copy]
-
-
-def _insert_chain(graph, at: Node, x: Node, steps: list) -> Node:
-    """Insert ``steps`` (``(aten op name, params, is a view)``), each reading the one before
-    (the first reads ``x``), before ``at``; each node's metadata is its op run on the meta
-    device.  Returns the last node."""
-    m = x.meta
-    val = torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
-    prev = x
-    for name, params, is_view in steps:
-        op = getattr(torch.ops.aten, name).default
-        val = op(val, **params)
-        meta = TensorMeta(tuple(val.shape), tuple(val.stride()), val.dtype, m.device,
-                          val.storage_offset())
-        node = graph.new_node(f"aten.{name}.default", [prev], params, meta, target=op,
-                              tensor_layout=(("self", True),),
-                              view_of=prev if is_view else None)
-        graph.insert(graph.nodes.index(at), node)
-        prev = node
-    return prev
+        out = make("view", [out], {"size": list(cur)})
+    if out is x:
+        out = make("clone", [x], {"memory_format": torch.contiguous_format})
+    return out
 
 
 class IndexUpsample:
@@ -127,7 +99,7 @@ class IndexUpsample:
                     len(mx.shape) != len(spec) or mx.is_symbolic or mn.is_symbolic or \
                     mx.device.type != "cpu":
                 continue
-            if not _contiguous(mn):
+            if not mn.is_contiguous:
                 ctx.decline(n, "the result is not contiguous (the copies write the default "
                                "layout)")
                 continue
@@ -141,9 +113,7 @@ class IndexUpsample:
                 ctx.decline(n, "the indices are not a nearest-neighbour upsampling by integer "
                                "factors")
                 continue
-            steps = _copy_steps(tuple(mx.shape), factors)
-            out = _insert_chain(graph, n, x, steps)
-            fxbackend.replace_uses(graph, n, out)
+            fxbackend.replace_uses(graph, n, _upsample(AtenBuilder(graph, n), x, factors))
             count += 1
         return count
 
