@@ -9,9 +9,14 @@ identity for float32; float32 arithmetic, no FMA contraction: ``fastmath=False``
     g   = round(gate * t)
     out = round(residual + g)
 
-which is the unfused chain's ``mul``/``div`` by a Python scalar (the scalar taken as float32,
-as ATen's CPU kernels take it, true division), ``mul(gate, _)`` and ``add(residual, _)`` with
-each op's own rounding, so float32 and 16-bit results are bit-exact.  Sources: ATen
+with ``y`` standing for ``round(y + bias[c])`` when the fused step moved a float32 addmm's
+bias here (``bias_in_epilogue`` in the rule; the GEMM then runs as ``mm``).  Without a bias the
+kernel adds a row of negative zeros, ``y + -0.0`` being ``y`` for every y (signed zeros and
+NaNs included), so one compiled kernel serves both.  The rest is the unfused chain's
+``mul``/``div`` by a Python scalar (the scalar taken as float32, as ATen's CPU kernels take
+it, true division), ``mul(gate, _)`` and ``add(residual, _)`` with each op's own rounding, so
+results are bit-exact to the chain (with a moved bias: to the chain whose bias is added after
+the GEMM, which differs from addmm's by float32 rounding).  Sources: ATen
 ``BinaryOpsKernel.cpp`` (``mul_kernel``, ``div_true_kernel``: scalar operands in opmath type);
 the bf16/fp16 conversions of ``cpu_kernels/rope.py``.
 
@@ -42,7 +47,8 @@ AVX-512 split them into native vectors.  The IR has plain ``fmul``/``fdiv``/``fa
 fast-math flags: no contraction, each op rounded, the scalar loop's bits (ATen's ``addcmul``,
 one pass too, is not: it contracts ``residual + gate * y`` into an FMA).
 
-Memory traffic per element: read y, read the residual, write out (the gate row stays in L1),
+Memory traffic per element: read y, read the residual, write out (the gate and bias rows stay
+in L1),
 against the unfused chain's read y, write g, read g, read the residual, write out (plus a read
 and a write for Flux's/SD3's clone and PixArt's clone + div).
 
@@ -136,12 +142,12 @@ def _register_vectors() -> None:
 
     def lanes(op: int):
         @intrinsic
-        def step(typingctx, y, g, r, o, e, scale):
-            """``o[e:e+16] = round(r[e:] + round(g[e:] * t(y[e:])))``, float32 maths,
-            unfused fmul/fdiv/fadd, each rounded to the arrays' dtype."""
+        def step(typingctx, y, g, r, o, bias, e, scale):
+            """``o[e:e+16] = round(r[e:] + round(g[e:] * t(round(y[e:] + bias[e:]))))``,
+            float32 maths, unfused fmul/fdiv/fadd, each rounded to the arrays' dtype."""
             if not (isinstance(e, types.Integer) and scale == types.float32
                     and y.dtype in (types.float32, types.int16, types.uint16)
-                    and g.dtype == r.dtype == o.dtype == y.dtype):
+                    and g.dtype == r.dtype == o.dtype == bias.dtype == y.dtype):
                 return None
 
             def codegen(context, builder, sig, args):
@@ -153,7 +159,7 @@ def _register_vectors() -> None:
                 def at(k):
                     data = cgutils.create_struct_proxy(sig.args[k])(context, builder,
                                                                     value=args[k]).data
-                    return builder.bitcast(builder.gep(data, [args[4]]), elem.as_pointer())
+                    return builder.bitcast(builder.gep(data, [args[5]]), elem.as_pointer())
 
                 def load(k):
                     v = builder.load(at(k), align=align)
@@ -162,38 +168,38 @@ def _register_vectors() -> None:
                 def rnd(x):
                     return bits[1](builder, bits[0](builder, x)) if bits else x
 
-                yv, gv, rv = load(0), load(1), load(2)
+                yv, gv, rv = rnd(builder.fadd(load(0), load(4))), load(1), load(2)
                 if op:
                     sv = ir.Constant(vf, ir.Undefined)
                     for i in range(_LANES):
-                        sv = builder.insert_element(sv, args[5], ir.Constant(i32, i))
+                        sv = builder.insert_element(sv, args[6], ir.Constant(i32, i))
                     yv = rnd(builder.fmul(yv, sv) if op == 1 else builder.fdiv(yv, sv))
                 v = builder.fadd(rv, rnd(builder.fmul(gv, yv)))
                 if bits:
                     v = builder.trunc(bits[0](builder, v), elem)
                 builder.store(v, at(3), align=align)
                 return context.get_dummy_value()
-            return types.void(y, g, r, o, e, scale), codegen
+            return types.void(y, g, r, o, bias, e, scale), codegen
         return step
 
     step0, step1, step2 = lanes(0), lanes(1), lanes(2)
 
     @overload(_row_vectors, inline="always", strict=False)
-    def _row_vectors_impl(yr, gr, rr, orow, c, scale, op):
+    def _row_vectors_impl(yr, gr, rr, orow, br, c, scale, op):
         if yr.dtype not in (types.float32, types.int16, types.uint16):
             return None
 
-        def vectors(yr, gr, rr, orow, c, scale, op):
+        def vectors(yr, gr, rr, orow, br, c, scale, op):
             n = c - c % _LANES
             if op == 0:
                 for e in range(0, n, _LANES):
-                    step0(yr, gr, rr, orow, e, scale)
+                    step0(yr, gr, rr, orow, br, e, scale)
             elif op == 1:
                 for e in range(0, n, _LANES):
-                    step1(yr, gr, rr, orow, e, scale)
+                    step1(yr, gr, rr, orow, br, e, scale)
             else:
                 for e in range(0, n, _LANES):
-                    step2(yr, gr, rr, orow, e, scale)
+                    step2(yr, gr, rr, orow, br, e, scale)
             return n
         return vectors
 
@@ -202,32 +208,33 @@ def _register_vectors() -> None:
 _jit = _numba.once(globals(), _build, requires=(_rms._register,))
 
 
-def _row_vectors(yr, gr, rr, orow, c, scale, op):
+def _row_vectors(yr, gr, rr, orow, br, c, scale, op):
     """The first elements of a unit-stride row in 16-lane vectors; returns how many (all but
     the last ``c % 16``).  jit only (:func:`_register_vectors`)."""
     raise NotImplementedError("_row_vectors is a numba helper: call it from a jitted kernel")
 
 
-def _row_unit(yr, gr, rr, orow, c, scale, op):
+def _row_unit(yr, gr, rr, orow, br, c, scale, op):
     """One row, every operand with unit feature stride (slices of ``c`` elements)."""
-    e0 = _row_vectors(yr, gr, rr, orow, c, scale, op)
+    e0 = _row_vectors(yr, gr, rr, orow, br, c, scale, op)
     if op == 0:
         for e in range(e0, c):
-            _store(orow, e, _load(rr, e) + _round_as(yr, _load(gr, e) * _load(yr, e)))
+            t = _round_as(yr, _load(yr, e) + _load(br, e))
+            _store(orow, e, _load(rr, e) + _round_as(yr, _load(gr, e) * t))
     elif op == 1:
         for e in range(e0, c):
-            t = _round_as(yr, _load(yr, e) * scale)
+            t = _round_as(yr, _round_as(yr, _load(yr, e) + _load(br, e)) * scale)
             _store(orow, e, _load(rr, e) + _round_as(yr, _load(gr, e) * t))
     else:
         for e in range(e0, c):
-            t = _round_as(yr, _load(yr, e) / scale)
+            t = _round_as(yr, _round_as(yr, _load(yr, e) + _load(br, e)) / scale)
             _store(orow, e, _load(rr, e) + _round_as(yr, _load(gr, e) * t))
 
 
-def _row_strided(yr, gate, res, out, go, ro, oo, gsc, rsc, osc, c, scale, op):
+def _row_strided(yr, gate, res, out, bias, go, ro, oo, gsc, rsc, osc, c, scale, op):
     """One row, gate/residual/out read and written through their feature strides."""
     for e in range(c):
-        t = _load(yr, e)
+        t = _round_as(yr, _load(yr, e) + _load(bias, e))
         if op == 1:
             t = _round_as(yr, t * scale)
         elif op == 2:
@@ -236,9 +243,10 @@ def _row_strided(yr, gate, res, out, go, ro, oo, gsc, rsc, osc, c, scale, op):
         _store(out, oo + e * osc, _load(res, ro + e * rsc) + g)
 
 
-def _gated_residual_kernel(y, gate, res, out, nb, ns, c, gsb, gss, gsc, rsb, rss, rsc, osb,
-                           oss, osc, scale, op, rows_per_task):
-    """Rows r = (b, s) of ``nb * ns``; y row r at ``r * c``; tasks of ``rows_per_task`` rows."""
+def _gated_residual_kernel(y, gate, res, out, bias, nb, ns, c, gsb, gss, gsc, rsb, rss, rsc,
+                           osb, oss, osc, scale, op, rows_per_task):
+    """Rows r = (b, s) of ``nb * ns``; y row r at ``r * c``; tasks of ``rows_per_task`` rows;
+    ``bias``: ``c`` elements added to every row of y (negative zeros for none)."""
     nrows = nb * ns
     ntasks = (nrows + rows_per_task - 1) // rows_per_task
     unit = gsc == 1 and rsc == 1 and osc == 1
@@ -253,9 +261,10 @@ def _gated_residual_kernel(y, gate, res, out, nb, ns, c, gsb, gss, gsc, rsb, rss
             oo = b * osb + s * oss
             yr = y[r * c:r * c + c]
             if unit:
-                _row_unit(yr, gate[go:go + c], res[ro:ro + c], out[oo:oo + c], c, scale, op)
+                _row_unit(yr, gate[go:go + c], res[ro:ro + c], out[oo:oo + c], bias, c, scale,
+                          op)
             else:
-                _row_strided(yr, gate, res, out, go, ro, oo, gsc, rsc, osc, c, scale, op)
+                _row_strided(yr, gate, res, out, bias, go, ro, oo, gsc, rsc, osc, c, scale, op)
 
 
 # -- launch layout (pure metadata) ---------------------------------------------------------------
@@ -275,7 +284,19 @@ def _threads_rows(lay: EpilogueLayout, threads: int) -> int:
     return max(1, min(per, nrows))
 
 
-def _launch(lay: EpilogueLayout, y, gate, res, out, scale_op, scale) -> None:
+#: (dtype, c) -> c negative zeros: the bias of an epilogue without one (``y + -0.0`` is ``y``
+#: for every y, signed zeros and NaNs included, so one kernel serves both)
+_NO_BIAS: dict = {}
+
+
+def _no_bias(dtype: torch.dtype, c: int) -> np.ndarray:
+    b = _NO_BIAS.get((dtype, c))
+    if b is None:
+        b = _NO_BIAS[(dtype, c)] = _flat(torch.full((c,), -0.0, dtype=dtype), c)
+    return b
+
+
+def _launch(lay: EpilogueLayout, y, gate, res, out, scale_op, scale, bias=None) -> None:
     if lay.spans[0] == 0:
         return
     fn = _jit()
@@ -283,7 +304,8 @@ def _launch(lay: EpilogueLayout, y, gate, res, out, scale_op, scale) -> None:
     yf = _flat(y, lay.spans[0])
     of = yf if out.data_ptr() == y.data_ptr() and out.stride() == y.stride() \
         else _flat(out, lay.spans[3])
-    fn(yf, _flat(gate, lay.spans[1]), _flat(res, lay.spans[2]), of, lay.nb, lay.ns, lay.c,
+    bf = _no_bias(y.dtype, lay.c) if bias is None else _flat(bias, lay.c)
+    fn(yf, _flat(gate, lay.spans[1]), _flat(res, lay.spans[2]), of, bf, lay.nb, lay.ns, lay.c,
        *lay.g, *lay.r, *lay.o, np.float32(1.0 if scale is None else scale), _OPS[scale_op],
        rows)
 
@@ -295,9 +317,11 @@ def _layout_of(y, gate, res, out) -> EpilogueLayout:
 
 def gated_residual_cpu(y: torch.Tensor, gate: torch.Tensor, residual: torch.Tensor,
                        out: torch.Tensor, *, scale_op: str | None = None,
-                       scale: float | None = None) -> torch.Tensor:
-    """``out = gated_residual_reference(y, gate, residual, scale_op, scale)`` (returned).
-    ``y`` contiguous; gate and residual broadcastable to y's shape (any strides); ``out`` of
+                       scale: float | None = None,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``out = gated_residual_reference(y, gate, residual, scale_op, scale, bias=bias)``
+    (returned).  ``y`` contiguous; gate and residual broadcastable to y's shape (any strides);
+    ``bias`` None or a contiguous ``[C]`` tensor (C = y's last dim) of y's dtype; ``out`` of
     y's shape, any strides, either y itself or overlapping no input (the caller's guarantee;
     not checked).  Raises ValueError naming the problem for inputs the kernel does not take."""
     ts = {"y": y, "gate": gate, "residual": residual, "out": out}
@@ -315,10 +339,23 @@ def gated_residual_cpu(y: torch.Tensor, gate: torch.Tensor, residual: torch.Tens
     if why is None and scale_op is not None and (not isinstance(scale, (int, float))
                                                  or isinstance(scale, bool)):
         why = f"scale {scale!r} (a Python number with a scale_op)"
+    if why is None and bias is not None:
+        why = _bias_why_not(bias, y)
     if why is not None:
         raise ValueError(f"gated_residual_cpu: unsupported input: {why}")
-    _launch(_layout_of(y, gate, residual, out), y, gate, residual, out, scale_op, scale)
+    _launch(_layout_of(y, gate, residual, out), y, gate, residual, out, scale_op, scale, bias)
     return out
+
+
+def _bias_why_not(bias: Any, y: torch.Tensor) -> str | None:
+    c = y.shape[-1] if y.dim() else 1
+    if not isinstance(bias, torch.Tensor):
+        return f"bias must be a tensor or None, got {type(bias).__name__}"
+    if bias.dim() != 1 or bias.shape[0] != c or not bias.is_contiguous() or \
+            bias.dtype != y.dtype or bias.device != y.device:
+        return (f"bias must be a contiguous [{c}] {y.dtype} tensor on {y.device}, got "
+                f"{tuple(bias.shape)} {bias.dtype} strides {bias.stride()} on {bias.device}")
+    return None
 
 
 def compile_kernels(dtype: torch.dtype) -> None:
@@ -328,7 +365,7 @@ def compile_kernels(dtype: torch.dtype) -> None:
     fn = _jit()
     z = np.zeros(0, _NP_OF[dtype])
     with _compile_lock:  # see rope's compile_kernels
-        fn(z, z, z, z, 0, 1, 1, 0, 0, 1, 0, 0, 1, 0, 0, 1, np.float32(1.0), 0, 1)
+        fn(z, z, z, z, z, 0, 1, 1, 0, 0, 1, 0, 0, 1, 0, 0, 1, np.float32(1.0), 0, 1)
 
 
 class GatedResidualCPU:
@@ -337,6 +374,8 @@ class GatedResidualCPU:
     layout is cached per shape/stride signature."""
 
     name = "gated_residual_cpu"
+    #: takes ``bias=``: the rule runs a float32 ``addmm`` as ``mm`` and the bias is added here
+    adds_bias = True
 
     def why_not(self, y, gate, residual, out):
         return why_not(y, gate, residual, out)
@@ -344,8 +383,9 @@ class GatedResidualCPU:
     def compile(self, y, gate, residual, out, scale_op):
         compile_kernels(y.dtype)
 
-    def run(self, y, gate, residual, out, *, scale_op, scale):
-        _launch(_layout_of(y, gate, residual, out), y, gate, residual, out, scale_op, scale)
+    def run(self, y, gate, residual, out, *, scale_op, scale, bias=None):
+        _launch(_layout_of(y, gate, residual, out), y, gate, residual, out, scale_op, scale,
+                bias)
 
 
 assert set(_NP_OF) == set(DTYPES)

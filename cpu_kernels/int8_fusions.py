@@ -180,11 +180,12 @@ def _scratch_rows(d):
 # -- kernels ---------------------------------------------------------------------------------------
 
 def _i8_gr_kernel(acc, xs, ws, b, has_b, gate, res, out, nb, ns, c, gsb, gss, gsc, rsb, rss,
-                  rsc, osb, oss, osc, scale, op, rows_per_task, t):
+                  rsc, osb, oss, osc, scale, op, rows_per_task, t, zb):
     """Rows r = (b, s) of ``nb * ns``: the linear_i8 epilogue of accumulator row r into a
     scratch row of t's element type (float32, or a 16-bit chain's: the value rounded as the
     cast does, and gated_residual's roundings to it), then gated_residual's row function into
-    out (module docstring)."""
+    out (module docstring) with ``zb``, c negative zeros, as its bias (none: the linear_i8
+    epilogue added the bias)."""
     nrows = nb * ns
     unit = gsc == 1 and rsc == 1 and osc == 1
     for task in prange(_tasks(nrows, rows_per_task)):
@@ -200,9 +201,10 @@ def _i8_gr_kernel(acc, xs, ws, b, has_b, gate, res, out, nb, ns, c, gsb, gss, gs
             ro = bi * rsb + si * rss
             oo = bi * osb + si * oss
             if unit:
-                _row_unit(yv, gate[go:go + c], res[ro:ro + c], out[oo:oo + c], c, scale, op)
+                _row_unit(yv, gate[go:go + c], res[ro:ro + c], out[oo:oo + c], zb, c, scale,
+                          op)
             else:
-                _row_strided(yv, gate, res, out, go, ro, oo, gsc, rsc, osc, c, scale, op)
+                _row_strided(yv, gate, res, out, zb, go, ro, oo, gsc, rsc, osc, c, scale, op)
 
 
 def _i8_actq_kernel(acc, xs, ws, b, has_b, q, scales, m, mp, n, act, nst, inv, chunk, t):
@@ -388,7 +390,7 @@ def _gr_launch(acc, xs, ws, bias, gate, res, out, y_shape, scale_op, scale,
     k(_flat(acc, lay.spans[0]), _flat(xs, lay.nb * lay.ns), _flat(ws, n), b, bias is not None,
       _flat(gate, lay.spans[1]), _flat(res, lay.spans[2]), _flat(out, lay.spans[3]), lay.nb,
       lay.ns, n, *lay.g, *lay.r, *lay.o, np.float32(1.0 if scale is None else scale),
-      _OPS[scale_op], rows, np.zeros(0, _NP_OF[dtype]))
+      _OPS[scale_op], rows, np.zeros(0, _NP_OF[dtype]), _gr._no_bias(dtype, n))
 
 
 def _gemm(qx: torch.Tensor, qw: torch.Tensor, acc: torch.Tensor) -> None:
@@ -883,7 +885,7 @@ def compile_kernels(kind: str, dtype: torch.dtype | None, other_dtype=None) -> N
             b = np.zeros(0, _NP_OF[dtype or torch.float32])
             y = np.zeros(0, _NP_OF[other_dtype or torch.float32])
             k(np.zeros(0, np.int32), z32, z32, b, dtype is not None, y, y, y, 0, 1, 1,
-              0, 0, 1, 0, 0, 1, 0, 0, 1, np.float32(1.0), 0, 1, y)
+              0, 0, 1, 0, 0, 1, 0, 0, 1, np.float32(1.0), 0, 1, y, y)
         elif kind == "actq":
             b = np.zeros(0, _NP_OF[dtype or torch.float32])
             k(np.zeros(0, np.int32), z32, z32, b, dtype is not None, q, z32, 0, 0, 4, 1, 1,

@@ -42,7 +42,8 @@ import fxbackend
 from fxbackend import TensorMeta, contiguous_strides
 
 __all__ = ["gated_residual_reference", "GatedResidualFusion", "ReferenceGatedResidual",
-           "DTYPES", "LINEAR_OPS", "EpilogueLayout", "epilogue_layout", "epilogue_why_not"]
+           "DTYPES", "LINEAR_OPS", "EpilogueLayout", "epilogue_layout", "epilogue_why_not",
+           "bias_in_epilogue"]
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LINEAR_OPS = ("aten.addmm.default", "aten.mm.default")
@@ -54,12 +55,17 @@ _RESHAPES = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.def
 
 def gated_residual_reference(y: torch.Tensor, gate: torch.Tensor, residual: torch.Tensor,
                              scale_op: str | None = None, scale: float | None = None,
-                             div_reciprocal: bool = False) -> torch.Tensor:
+                             div_reciprocal: bool = False,
+                             bias: torch.Tensor | None = None) -> torch.Tensor:
     """The epilogue's meaning in plain torch: ``residual + gate * (y [* scale | / scale])``,
     each op rounded to its dtype as eager rounds it.  ``scale_op``: None, "mul" or "div".
     ``div_reciprocal``: compute the division as CUDA's eager kernel does for a CPU scalar
     divisor, ``y * (float32(1) / float32(scale))`` (``div_true_kernel_cuda``), instead of the
-    CPU's true division."""
+    CPU's true division.  ``bias`` (``[N]``, the last dim): ``y + bias`` (rounded) stands for
+    ``y`` (a GEMM run without its bias, which the epilogue adds: see
+    :class:`GatedResidualFusion`)."""
+    if bias is not None:
+        y = y + bias
     t = y
     if scale_op == "mul":
         t = y * scale
@@ -268,8 +274,10 @@ class GatedResidualFusion:
     ``why_not(y, gate, residual, out) -> str | None`` (``TensorMeta``s; never raises; y is the
     contiguous GEMM result in the gate multiply's shape), optional
     ``compile(y, gate, residual, out, scale_op)`` (plan time) and
-    ``run(y, gate, residual, out, *, scale_op, scale)`` writing ``out`` where ``out`` is either
-    ``y`` itself (the epilogue then runs in place) or overlaps none of the inputs.
+    ``run(y, gate, residual, out, *, scale_op, scale[, bias])`` writing ``out`` where ``out``
+    is either ``y`` itself (the epilogue then runs in place) or overlaps none of the inputs.
+    An ``impl`` whose ``adds_bias`` attribute is true takes ``bias=`` (a contiguous ``[N]``
+    tensor of y's dtype, or None) and computes the epilogue on ``y + bias``.
     ``cpu_kernels/gated_residual.py`` and ``cuda_kernels/gated_residual.py`` register one rule
     each.
 
@@ -281,6 +289,16 @@ class GatedResidualFusion:
 
     The GEMM runs natively (``torch.addmm``/``torch.mm`` with ``out=``, same op and same bits as
     the unfused step) into the step's output when that is contiguous, else into workspace.
+
+    Bias.  With an ``impl`` that ``adds_bias``, a float32 ``addmm(bias, x, w)`` with a
+    contiguous ``[N]`` bias and beta = alpha = 1 runs as ``mm(x, w)`` and the epilogue adds the
+    bias (as ``cpu_kernels/activation.py`` does for activations): addmm first writes the bias
+    into every row of its result and the GEMM reads it back, a write and a read of the whole
+    ``[M, N]`` result that the epilogue's read of one bias row replaces.  The float32 sum is
+    the same operation in another place (the BLAS adds its partial products to the copied
+    bias; here the bias is added to the finished product), so results differ from the unfused
+    chain's by float32 rounding only.  16-bit chains keep the addmm (a 16-bit GEMM rounds
+    ``acc + bias`` once).
     """
 
     priority = 5
@@ -421,7 +439,9 @@ class GatedResidualFusion:
                                      stride=contiguous_strides(p.y_shape))
         kw = {k: lin.params[k] for k in ("beta", "alpha") if k in lin.params}
         return dict(parts=p, mn=(int(m), int(n)), in_place=in_place, y_meta=y_meta, gemm_kw=kw,
-                    nbytes=int(m) * int(n) * node.meta.itemsize)
+                    nbytes=int(m) * int(n) * node.meta.itemsize,
+                    bias_in_epilogue=bool(getattr(self.impl, "adds_bias", False)) and
+                    bias_in_epilogue(p.bias, lin.meta, kw))
 
     def prepare(self, node):
         st = self._state(node)
@@ -444,11 +464,28 @@ class GatedResidualFusion:
             # out overlaps an input: the memory planner does not do this (inputs live through
             # the step), but the rule must stay correct if it ever did
             y2d = torch.empty((m, n), dtype=out.dtype, device=out.device)
+        if st["bias_in_epilogue"]:
+            torch.mm(x, w, out=y2d)
+            self.impl.run(y2d.view(p.y_shape), gate, res, out, scale_op=p.scale_op,
+                          scale=p.scale, bias=gemm_in[0])
+            return
         if p.bias is None:
             torch.mm(x, w, out=y2d)
         else:
             torch.addmm(gemm_in[0], x, w, out=y2d, **st["gemm_kw"])
         self.impl.run(y2d.view(p.y_shape), gate, res, out, scale_op=p.scale_op, scale=p.scale)
+
+
+def bias_in_epilogue(bias, linear_meta: TensorMeta, gemm_kw: dict) -> bool:
+    """Whether the fused step runs ``addmm(bias, x, w)`` as ``mm(x, w)`` with the bias added by
+    an epilogue that ``adds_bias`` (see the Bias section of :class:`GatedResidualFusion`):
+    float32, a contiguous ``[N]`` bias (``bias``: its graph node, None for ``mm``), beta =
+    alpha = 1."""
+    b = _tensor(bias) if bias is not None else None
+    return b is not None and linear_meta.dtype == torch.float32 and b.dtype == torch.float32 \
+        and len(b.shape) == 1 and b.is_contiguous and \
+        int(b.shape[0]) == int(linear_meta.shape[-1]) and b.device == linear_meta.device and \
+        gemm_kw.get("beta", 1) == 1 and gemm_kw.get("alpha", 1) == 1
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -474,9 +511,10 @@ class ReferenceGatedResidual:
     rule and as a model for device kernels); not registered."""
 
     name = "gated_residual_reference"
+    adds_bias = True
 
     def why_not(self, y, gate, residual, out):
         return None
 
-    def run(self, y, gate, residual, out, *, scale_op, scale):
-        out.copy_(gated_residual_reference(y, gate, residual, scale_op, scale))
+    def run(self, y, gate, residual, out, *, scale_op, scale, bias=None):
+        out.copy_(gated_residual_reference(y, gate, residual, scale_op, scale, bias=bias))

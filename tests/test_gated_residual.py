@@ -137,12 +137,42 @@ def test_cpu_kernel_16bit_every_bit_pattern(dtype, scale_op, scale):
     assert ((out == want) | (out.isnan() & want.isnan())).all()
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+@pytest.mark.parametrize("scale_op,scale", SCALES)
+@pytest.mark.parametrize("layout,shape", [("plain", (2, 7, 19)), ("strided", (2, 5, 33)),
+                                          ("in_place", (3, 4, 1157))])
+def test_cpu_kernel_with_a_bias_is_the_reference(dtype, scale_op, scale, layout, shape):
+    # the bias the fused step moves out of a float32 addmm: round(y + bias) stands for y
+    # (vector steps and the scalar tail; any dtype, though the rule passes float32 only)
+    y, gate, res, out = _operands(layout, *shape, dtype)
+    bias = torch.randn(shape[-1], generator=_gen(5)).to(dtype)
+    want = gated_residual_reference(y, gate, res, scale_op, scale, bias=bias)
+    if layout == "in_place":
+        out = y
+    cpu_gr.gated_residual_cpu(y, gate, res, out, scale_op=scale_op, scale=scale, bias=bias)
+    assert torch.equal(out, want)
+
+
+def test_cpu_kernel_without_a_bias_keeps_signed_zeros():
+    # no bias is a bias of negative zeros inside the kernel: y + -0.0 is y, -0.0 included
+    y = torch.tensor([[-0.0, 0.0, -0.0, 0.0] * 5])
+    gate = torch.ones(20)
+    res = torch.full((1, 20), -0.0)
+    out = cpu_gr.gated_residual_cpu(y, gate, res, torch.empty_like(y))
+    want = res + gate * y
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+
+
 def test_cpu_kernel_rejects_what_it_does_not_take():
     y = torch.randn(2, 3, 4)
     with pytest.raises(ValueError, match="dtype"):
         cpu_gr.gated_residual_cpu(y, torch.randn(2, 1, 4, dtype=F16), y, torch.empty_like(y))
     with pytest.raises(ValueError, match="scale_op"):
         cpu_gr.gated_residual_cpu(y, y, y, torch.empty_like(y), scale_op="pow", scale=2.0)
+    for bad in (torch.randn(5), torch.randn(4, dtype=F16), torch.randn(8)[::2],
+                torch.randn(1, 4)):
+        with pytest.raises(ValueError, match=r"bias must be a contiguous \[4\] torch.float32"):
+            cpu_gr.gated_residual_cpu(y, y, y, torch.empty_like(y), bias=bad)
 
 
 def _meta(shape, stride=None, dtype=F32, device="cpu"):
@@ -250,19 +280,38 @@ def _compiled(mod, args, options=None):
     return out, dict(fxbackend.stats()["fusions_by_rule"])
 
 
+def _bias_after_gemm(mod):
+    """A copy of ``mod`` whose projection is ``mm``, then ``+ bias`` (rounded): the fused step's
+    meaning for a float32 addmm, whose bias the epilogue adds."""
+    import copy
+
+    m = copy.deepcopy(mod)
+    m.proj.forward = lambda x: F.linear(x, m.proj.weight) + m.proj.bias
+    return m
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16])
-@pytest.mark.parametrize("variant,bias", [("flux", True), ("clone", True), ("pixart", True),
-                                          ("mul_scale", True), ("flux", False)])
-def test_block_fused_equals_unfused_and_eager(variant, bias, dtype):
-    mod = _Block(bias=bias, variant=variant, dtype=dtype)
-    args = _block_inputs(dtype)
+@pytest.mark.parametrize("variant,bias,c_in", [("flux", True, 24), ("clone", True, 24),
+                                               ("pixart", True, 24), ("mul_scale", True, 24),
+                                               ("flux", False, 24), ("flux", True, 1536),
+                                               ("pixart", True, 1536)])
+def test_block_fused_equals_unfused_and_eager(variant, bias, c_in, dtype):
+    mod = _Block(c_in=c_in, bias=bias, variant=variant, dtype=dtype)
+    args = _block_inputs(dtype, c_in=c_in)
     fused, fires = _compiled(mod, args)
     unfused, none = _compiled(mod, args, {"fusion": False})
     with torch.no_grad():
         eager = mod(*args)
+        moved = _bias_after_gemm(mod)(*args) if bias else eager
     assert fires == {"gated_residual": 1} and none == {}
-    assert torch.equal(fused, unfused)  # the same GEMM, then the chain's roundings
-    assert torch.equal(fused, eager)
+    assert torch.equal(unfused, eager)
+    if bias and dtype == F32:
+        # mm, then the epilogue adds the bias: exactly that meaning, and eager's addmm (the
+        # BLAS adds its partial products to the bias) within float32 rounding
+        assert torch.equal(fused, moved)
+        torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-6)
+    else:
+        assert torch.equal(fused, eager)  # the same GEMM, then the chain's roundings
 
 
 def test_rule_declines_a_linear_read_elsewhere():
@@ -303,6 +352,45 @@ class _Impl(ReferenceGatedResidual):
     def run(self, *a, **kw):
         self.calls += 1
         super().run(*a, **kw)
+
+
+class _ImplWithoutBias(_Impl):
+    adds_bias = False
+
+    def run(self, *a, **kw):
+        assert "bias" not in kw
+        super().run(*a, **kw)
+
+
+def test_rule_keeps_the_addmm_for_an_impl_that_does_not_add_the_bias():
+    with rule_on_top(GatedResidualFusion(_ImplWithoutBias()), "gated_residual_test") as rule:
+        mod = _Block(c_in=1536)
+        args = _block_inputs(c_in=1536)
+        out, fires = _compiled(mod, args)
+    with torch.no_grad():
+        assert torch.equal(out, mod(*args))  # eager's addmm itself
+    assert fires == {"gated_residual_test": 1} and rule.impl.calls == 1
+
+
+def test_bias_in_epilogue_only_for_float32_contiguous_bias_and_unit_beta_alpha():
+    import types
+
+    from fxbackend.patterns.gated_residual import bias_in_epilogue
+
+    lin = _meta((8, 20))
+
+    def node(meta):
+        return types.SimpleNamespace(meta=meta)
+
+    assert bias_in_epilogue(node(_meta((20,))), lin, {})
+    assert bias_in_epilogue(node(_meta((20,))), lin, {"beta": 1, "alpha": 1})
+    assert not bias_in_epilogue(None, lin, {})  # mm: no bias
+    assert not bias_in_epilogue(node(_meta((20,))), lin, {"beta": 0.5})
+    assert not bias_in_epilogue(node(_meta((20,))), lin, {"alpha": 2})
+    assert not bias_in_epilogue(node(_meta((20,), dtype=BF16)), _meta((8, 20), dtype=BF16), {})
+    assert not bias_in_epilogue(node(_meta((8, 20))), lin, {})  # a full [M, N] bias
+    assert not bias_in_epilogue(node(_meta((20,), (2,))), lin, {})  # strided
+    assert not bias_in_epilogue(node(_meta((1,))), lin, {})  # broadcast over the columns
 
 
 @pytest.mark.parametrize("decline", [None, "no kernel for this"])
