@@ -21,7 +21,9 @@ kernel); GB/s counts its reads of y and write of the output.
 
 Rows are capped (``--rows``, default 1024) because a 2-core CPU needs seconds for a full
 4608-token Flux GEMM; the per-row cost is the same.  Goals printed: fused faster than eager and
-not slower than Inductor.  Raw results go to ``bench_results/activation.json``.
+not slower than Inductor, judged on the per-round ratios (other / fused): their median and
+its 95% interval (``scripts/benchstats.py``: "ahead" above 1, "level" containing 1, "behind"
+below).  Raw results go to ``bench_results/activation.json``.
 
     .venv/bin/python scripts/bench_activation.py [--rows 1024] [--rounds 7] [--threads 1]
         [--configs unet_geglu,sd3_ff]
@@ -35,6 +37,7 @@ import statistics
 import time
 
 import torch
+from benchstats import verdict
 
 import fxbackend.cpu_kernels.activation  # noqa: F401
 from fxbackend.cpu_kernels.activation import LinearActCPU, compile_kernels, glu_cpu
@@ -136,8 +139,8 @@ def bench(name, m, k, n, act, gated, rounds):
           f"inductor/fused {med['inductor'] / med['fused']:.3f}x; max rel err {err:.2e}; "
           f"preallocated output {med['fused_prealloc']:.2f} ms "
           f"(inductor/prealloc {med['inductor'] / med['fused_prealloc']:.3f}x)")
-    print(f"  goals: fused faster than eager: {med['fused'] < med['eager']}; "
-          f"not slower than inductor: {med['fused'] <= med['inductor']}")
+    row["verdict"] = {o: verdict(ts, o, "fused") for o in ("eager", "inductor")}
+    print(f"  goals: {_goal(row['verdict'])}")
     if gated:
         pass_bytes = 4 * (m * n2 + m * n)
         row["pass"] = {"ms": {k_: med[k_ + "_pass"] for k_ in ("eager", "inductor", "fused")},
@@ -148,9 +151,20 @@ def bench(name, m, k, n, act, gated, rounds):
               f"fused {pm['fused']:.3f} ms ({row['pass']['gbps']['fused']:.1f} GB/s); "
               f"eager/fused {pm['eager'] / pm['fused']:.3f}x, "
               f"inductor/fused {pm['inductor'] / pm['fused']:.3f}x; max rel err {pass_err:.2e}")
-        print(f"  goals (pass): faster than eager: {pm['fused'] < pm['eager']}; "
-              f"not slower than inductor: {pm['fused'] <= pm['inductor']}")
+        row["pass"]["verdict"] = {o: verdict(ts, o + "_pass", "fused_pass")
+                                  for o in ("eager", "inductor")}
+        print(f"  goals (pass): {_goal(row['pass']['verdict'])}")
     return row
+
+
+def _goal(v: dict) -> str:
+    """The goal line of a row's verdicts (scripts/benchstats.py): faster than eager ("ahead")
+    and not slower than Inductor (not "behind")."""
+    def cell(x):
+        return f"{x[0]} {x[1]:.3f} [{x[2]:.3f}, {x[3]:.3f}]"
+    met = v["eager"][0] == "ahead" and v["inductor"][0] != "behind"
+    return (f"vs eager {cell(v['eager'])}, vs inductor {cell(v['inductor'])}: "
+            f"{'met' if met else 'MISSED'}")
 
 
 def main():

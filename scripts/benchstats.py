@@ -1,0 +1,46 @@
+"""Statistics of the side-by-side benchmarks in this directory: rounds interleave the
+implementations, so each round's ratio of two of them cancels the load a shared machine drifts
+through between rounds; a goal is judged on the median of those ratios with a distribution-free
+95% interval (:func:`verdict`)."""
+from __future__ import annotations
+
+import math
+import statistics
+
+
+def paired_ratio(per_round: dict, num: str, den: str) -> float:
+    """The median over rounds of ``num``'s time / ``den``'s time in the same round: a shared
+    machine's load drifts between rounds, and the two calls of one round see the same load."""
+    if num not in per_round or den not in per_round:
+        return float("nan")
+    return statistics.median(a / b for a, b in zip(per_round[num], per_round[den]))
+
+
+def median_ci(values: list, level: float = 0.95) -> tuple[float, float]:
+    """A distribution-free confidence interval for the median of ``values`` (independent
+    rounds): the order statistics ``(x[k], x[n-1-k])`` with the largest k whose binomial(n, 1/2)
+    tail ``P(B <= k)`` stays at most ``(1 - level) / 2``; ``(nan, nan)`` for fewer than 6
+    values (no such k)."""
+    xs = sorted(values)
+    n = len(xs)
+    tail, k, cdf = (1 - level) / 2, -1, 0.0
+    for j in range(n):
+        cdf += math.comb(n, j) / 2 ** n
+        if cdf > tail:
+            break
+        k = j
+    if k < 0:
+        return float("nan"), float("nan")
+    return xs[k], xs[n - 1 - k]
+
+
+def verdict(per_round: dict, num: str, den: str) -> tuple[str, float, float, float]:
+    """``(word, paired median, ci low, ci high)`` for ``num / den`` per round (``num`` the
+    reference's time, ``den`` the fused step's): "ahead" when the 95% interval of the median
+    lies above 1, "behind" when below, else "level" (no difference the rounds can show)."""
+    if num not in per_round or den not in per_round:
+        return "n/a", float("nan"), float("nan"), float("nan")
+    ratios = [a / b for a, b in zip(per_round[num], per_round[den])]
+    lo, hi = median_ci(ratios)
+    word = "ahead" if lo > 1 else "behind" if hi < 1 else "level"
+    return word, statistics.median(ratios), lo, hi

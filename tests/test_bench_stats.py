@@ -1,0 +1,50 @@
+"""The statistics that decide the benchmarks' goals (scripts/benchstats.py): the
+distribution-free interval of a median and the ahead / level / behind verdict."""
+from __future__ import annotations
+
+import importlib.util
+import math
+import pathlib
+import random
+
+from hypothesis import given, settings, strategies as st
+
+_PATH = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "benchstats.py"
+_spec = importlib.util.spec_from_file_location("benchstats", _PATH)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def test_median_ci_order_statistics():
+    # n = 15: P(B <= 3) = 576 / 32768 = 0.0176 <= 0.025 < P(B <= 4): the 4th and 12th values
+    assert bench.median_ci(list(range(15))) == (3, 11)
+    assert bench.median_ci(list(range(9))) == (1, 7)  # P(B <= 1) = 10 / 512
+    assert bench.median_ci([5, 1, 4, 2, 3, 6]) == (1, 6)  # n = 6: P(B = 0) = 1 / 64
+    assert all(math.isnan(v) for v in bench.median_ci([1, 2, 3, 4, 5]))  # no interval
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(0.5, 2.0), min_size=6, max_size=60))
+def test_median_ci_contains_the_median(values):
+    lo, hi = bench.median_ci(values)
+    m = sorted(values)[(len(values) - 1) // 2]
+    assert lo <= m <= hi and lo in values and hi in values
+
+
+def test_median_ci_covers_the_true_median_at_least_95_percent():
+    rng = random.Random(0)
+    trials, hits = 2000, 0
+    for _ in range(trials):
+        lo, hi = bench.median_ci([rng.gauss(1.0, 0.05) for _ in range(15)])
+        hits += lo <= 1.0 <= hi
+    assert hits / trials >= 0.95  # exact coverage for n = 15: 1 - 2 * 0.0176 = 0.965
+
+
+def test_verdicts():
+    slow = {"ind": [1.0] * 15, "f": [0.9 + 0.001 * i for i in range(15)]}
+    assert bench.verdict(slow, "ind", "f")[0] == "ahead"
+    assert bench.verdict({"ind": slow["f"], "f": slow["ind"]}, "ind", "f")[0] == "behind"
+    noisy = {"ind": [1.0] * 15, "f": [0.97, 1.03] * 7 + [1.0]}
+    word, med, lo, hi = bench.verdict(noisy, "ind", "f")
+    assert word == "level" and lo < 1 < hi and med == 1.0
+    assert bench.verdict({"f": [1.0] * 15}, "ind", "f")[0] == "n/a"
