@@ -17,8 +17,11 @@ call:
   compile time reported);
 * ``kernel``: the CPU kernel object registered for the ``scale_cast`` rule
   (``ScaleCastCPU``, found through ``fxbackend.fusion.fusions_for("cpu")``), compiled as the
-  plan compiles it and ``run(x, out, c=c)`` as the fused step calls it, into a preallocated
-  ``out``;
+  plan compiles it and ``run(x, out, c=c)`` as the fused step calls it, into a fresh ``out``
+  per call as eager's and Inductor's functions allocate theirs (the goals' column);
+  ``kernel_prealloc`` into one preallocated ``out`` (information: a large fresh output costs
+  its page faults on every side, 64 MB for the VAE row, where one written a call ago does
+  not, which made this column up to twice as fast as Inductor's function there);
 * ``fxbackend``: ``torch.compile(backend="fxbackend")`` of the same function (the rule fires:
   ``fxbackend.stats()["fusions_by_rule"]`` is printed; includes the executor and a fresh output
   per call, as eager and Inductor allocate theirs).
@@ -54,7 +57,7 @@ CONFIGS = {
     "sd3": ((1, 4096, 1536), 1.5305, "SD3-medium hidden, 1024x1024 (4096 tok x 1536)"),
     "vae_dec": ((1, 128, 512, 512), 0.18215, "VAE decoder activation (128 ch at 512x512)"),
 }
-IMPLS = ("eager", "inductor", "kernel", "fxbackend")
+IMPLS = ("eager", "inductor", "kernel", "kernel_prealloc", "fxbackend")
 
 
 def parse_args(argv=None):
@@ -109,6 +112,11 @@ def bench_config(name, out_dtype, args) -> dict:
     res["compile_s"]["kernel_first_call"] = time.perf_counter() - t0
 
     def run_kernel():
+        o = torch.empty(shape, dtype=out_dtype)
+        kernel.run(x, o, c=c)
+        return o
+
+    def run_kernel_prealloc():
         kernel.run(x, out, c=c)
         return out
 
@@ -122,6 +130,7 @@ def bench_config(name, out_dtype, args) -> dict:
             res["compile_s"]["inductor"] = time.perf_counter() - t0
             impls["inductor"] = lambda: ind(x)
         impls["kernel"] = run_kernel
+        impls["kernel_prealloc"] = run_kernel_prealloc
         fxb = torch.compile(fn, backend="fxbackend", dynamic=False)
         fxbackend.reset_stats()
         t0 = time.perf_counter()
