@@ -15,7 +15,7 @@ from .fusion import graph_delay, register_fusion, unregister_fusion
 from .ir import Graph, Node, ScalarMeta, TensorMeta, contiguous_strides
 from .ops import get_op, op_create, register_op, unregister_op
 from .options import Options, parse_options
-from .rewrite import register_rewrite, replace_uses, unregister_rewrite
+from .rewrite import register_rewrite, replace_uses, rewrites, unregister_rewrite
 from .registry import (register_kernel, select_kernel, supports_native_op, supports_op,
                        unregister_kernel)
 from .replay import ExportedPlan, ReplayError, load, save
@@ -28,7 +28,7 @@ __all__ = ["fxbackend_backend", "compile_fx_graph", "explain", "CompiledGraph", 
            "Options", "parse_options", "register_op", "unregister_op", "get_op", "op_create",
            "register_kernel", "unregister_kernel", "select_kernel", "supports_op",
            "supports_native_op", "register_fusion", "unregister_fusion", "graph_delay",
-           "register_rewrite", "unregister_rewrite", "replace_uses", "load_extensions",
+           "register_rewrite", "unregister_rewrite", "rewrites", "replace_uses", "load_extensions",
            "services", "stats", "reset_stats", "backend", "warm_up", "export", "save",
            "load", "from_compiled", "record_graphs", "ExportedPlan", "ReplayError"]
 

@@ -230,6 +230,15 @@ class _Resnet(torch.nn.Module):
 
 
 @pytest.fixture
+def gn_rewrite_on_cpu(monkeypatch):
+    """The registered ``group_norm`` rewrite, made to run on the CPU too (by default it leaves
+    the CPU's group norms native: see ``GroupNormIdiom``)."""
+    rule = next(r for r in fxbackend.rewrites() if r.name == "group_norm")
+    monkeypatch.setattr(rule, "devices", ("cpu", "cuda"))
+    yield rule
+
+
+@pytest.fixture
 def ref_rule():
     """The rule with the torch implementation, above the numba one."""
     with rule_on_top(GroupNormSiluFusion(ReferenceGroupNormSilu()), "group_norm_silu_test") as r:
@@ -238,7 +247,7 @@ def ref_rule():
 
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 @pytest.mark.parametrize("use_ref", [False, True])
-def test_fused_equals_unfused_and_eager(layout, use_ref, request):
+def test_fused_equals_unfused_and_eager(layout, use_ref, request, gn_rewrite_on_cpu):
     if use_ref:
         request.getfixturevalue("ref_rule")
     name = "group_norm_silu_test" if use_ref else "group_norm_silu"
@@ -269,7 +278,8 @@ def test_fused_equals_unfused_and_eager(layout, use_ref, request):
         assert torch.equal(fused, unfused)  # the reference is exactly the unfused chain
 
 
-def test_chain_with_dropout_clone_is_one_step_and_groupnorm_alone_is_the_op(ref_rule):
+def test_chain_with_dropout_clone_is_one_step_and_groupnorm_alone_is_the_op(ref_rule,
+                                                                          gn_rewrite_on_cpu):
     text = fxbackend.explain(_Resnet().eval(), torch.randn(1, 16, 4, 4))
     fired = [ln for ln in text.splitlines() if ln.startswith("fused group_norm_silu_test")]
     # gn, getitem, silu: the dropout's clone of the SiLU result is elided before fusion
@@ -418,7 +428,7 @@ def _compile_run(mod, *inputs):
     return out, ref, fxbackend.stats()
 
 
-def test_groupnorm_alone_is_rewritten_and_runs_the_kernel():
+def test_groupnorm_alone_is_rewritten_and_runs_the_kernel(gn_rewrite_on_cpu):
     out, ref, s = _compile_run(_GroupNormAlone().eval(), torch.randn(2, 16, 9, 7))
     assert s["rewrites_by_rule"] == {"group_norm": 1}
     assert s["steps_by_kernel"]["group_norm_cpu"] == 1
@@ -426,8 +436,27 @@ def test_groupnorm_alone_is_rewritten_and_runs_the_kernel():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_groupnorm_alone_stays_native_on_the_cpu_by_default():
+    # the CPU kernel is level with native_group_norm, so the rule leaves the CPU alone: the
+    # step is ATen's own, eager's bits
+    assert next(r for r in fxbackend.rewrites() if r.name == "group_norm").devices == ("cuda",)
+    out, ref, s = _compile_run(_GroupNormAlone().eval(), torch.randn(2, 16, 9, 7))
+    assert "group_norm" not in s["rewrites_by_rule"]
+    assert "group_norm_cpu" not in s["steps_by_kernel"]
+    assert torch.equal(out, ref)
+
+
+def test_rewrite_devices_must_be_a_tuple_of_names():
+    from fxbackend.patterns.groupnorm import GroupNormIdiom
+
+    assert GroupNormIdiom(devices=("cpu", "cuda")).devices == ("cpu", "cuda")
+    for bad in ("cuda", (torch.device("cuda"),)):
+        with pytest.raises(TypeError, match="devices must be a tuple of device type names"):
+            GroupNormIdiom(devices=bad)
+
+
 @pytest.mark.parametrize("case", ["mean_read", "silu_follows", "channels_last", "no_affine"])
-def test_rewrite_declines(case):
+def test_rewrite_declines(case, gn_rewrite_on_cpu):
     """Left native: mean/rstd read; a SiLU follows (the fusion rule's chain); a channels-last
     output (the op's is contiguous); no affine weight and bias (the op needs both)."""
     x, w, b = _inputs((2, 8, 3, 4), 4, torch.float32, torch.float32, "nchw")
@@ -473,21 +502,28 @@ def _unet_transformers(cfg) -> int:
     return cfg["layers_per_block"] * down + int(mid) + (cfg["layers_per_block"] + 1) * up
 
 
+@pytest.mark.parametrize("on_cpu", [False, True])
 @pytest.mark.parametrize("family", ["unet", "flux", "sd3", "pixart"])
-def test_models_fire_count_and_match_eager(family):
+def test_models_fire_count_and_match_eager(family, on_cpu, request):
+    if on_cpu:
+        if family != "unet":
+            pytest.skip("no GroupNorm alone in the transformer models")
+        request.getfixturevalue("gn_rewrite_on_cpu")
     ref, out, _ = eager_and_compiled(family)
     assert rel_err(out, ref) <= 1e-5
     s = fxbackend.stats()
     fired = s["fusions_by_rule"].get("group_norm_silu", 0)
     # the transformer models have no GroupNorm (LayerNorm / RMSNorm only); the tiny UNet
     # (1 layer per block, 2 down + 2 up blocks) has 8 resnets -> 16 chains, + conv_norm_out = 17;
-    # its 4 Transformer2DModel GroupNorms (no SiLU) become sd.group_norm.v1 on the numba kernel
+    # its 4 Transformer2DModel GroupNorms (no SiLU) stay native on the CPU, or become
+    # sd.group_norm.v1 on the numba kernel with the rewrite on for the CPU
     cfg = models.MODEL_CONFIGS[(family, "tiny")]["config"]
     want = _unet_chains(cfg) if family == "unet" else 0
     alone = _unet_transformers(cfg) if family == "unet" else 0
+    rewritten = alone if on_cpu else 0
     assert fired == want
-    assert s["rewrites_by_rule"].get("group_norm", 0) == alone
-    assert s["steps_by_kernel"].get("group_norm_cpu", 0) == alone * s["calls"]
+    assert s["rewrites_by_rule"].get("group_norm", 0) == rewritten
+    assert s["steps_by_kernel"].get("group_norm_cpu", 0) == rewritten * s["calls"]
     assert s["steps_by_kernel"].get("group_norm_silu", 0) == want * s["calls"]
     if family == "unet":
         assert (want, alone) == (17, 4)
