@@ -11,9 +11,12 @@ Every entry of ``MODEL_CONFIGS`` is keyed by ``(family, size)`` and is plain dat
 
 Families: ``flux`` (double- + single-stream MMDiT with 3-axis RoPE), ``sd3`` (joint-attention
 MMDiT, SD3.5-style QK RMSNorm), ``pixart`` (DiT with adaLN-single and cross-attention) and
-``unet`` (SD-style UNet2DConditionModel with GroupNorm resnets and cross-attention blocks).
-Sizes: ``tiny`` (a few ms per call, quick to compile; for tests) and ``small`` (roughly
-100-250 ms per float32 forward on a 2-core CPU; for benchmarks).
+``unet`` (SD-style UNet2DConditionModel with GroupNorm resnets and cross-attention blocks),
+``wan`` (WanTransformer3DModel: video latents, 3-axis RoPE, cross-attention; tiny only) and
+``sdxl`` (SDXL-style UNet2DConditionModel: linear projections, multi-layer transformer blocks,
+text/time added conditioning; tiny only).  Sizes: ``tiny`` (a few ms per call, quick to
+compile; for tests) and ``small`` (roughly 100-250 ms per float32 forward on a 2-core CPU; for
+benchmarks).
 
 diffusers is imported lazily, so importing this module is cheap. Run it as a script to build
 every entry and print output shapes, magnitudes and eager timings.
@@ -98,6 +101,33 @@ MODEL_CONFIGS = {
                        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
                        cross_attention_dim=256, attention_head_dim=4, norm_num_groups=32),
         "inputs": dict(batch=1, resolutions=[(40, 40), (36, 36), (32, 48)], text_len=77),
+    },
+    # Wan 2.1 layout: video latents (frames x h x w) in 1x2x2 patches, 3-axis RoPE, RMSNorm
+    # across heads for q/k, cross-attention to the text, adaLN modulation from a table.
+    ("wan", "tiny"): {
+        "cls": "WanTransformer3DModel",
+        "config": dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+                       in_channels=4, out_channels=4, text_dim=16, freq_dim=32, ffn_dim=32,
+                       num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+                       rope_max_seq_len=32),
+        "inputs": dict(batch=1, resolutions=[(16, 16), (20, 20), (16, 24)], text_len=7,
+                       frames=2),
+    },
+    # SDXL layout: linear-projection transformers with several layers in the deeper block,
+    # added conditioning (pooled text embeddings + size/crop time ids, "text_time").
+    ("sdxl", "tiny"): {
+        "cls": "UNet2DConditionModel",
+        "config": dict(sample_size=32, in_channels=4, out_channels=4, layers_per_block=2,
+                       block_out_channels=(32, 64),
+                       down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+                       up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+                       attention_head_dim=(2, 4), use_linear_projection=True,
+                       addition_embed_type="text_time", addition_time_embed_dim=8,
+                       transformer_layers_per_block=(1, 2),
+                       projection_class_embeddings_input_dim=80, cross_attention_dim=64,
+                       norm_num_groups=32),
+        "inputs": dict(batch=1, resolutions=[(16, 16), (20, 20), (16, 24)], text_len=7,
+                       text_embeds=32),
     },
 }
 
@@ -201,6 +231,18 @@ def make_inputs(family, size, resolution=None, batch=None, dtype=torch.float32, 
     elif family == "unet":
         kw = dict(sample=randn(b, cfg["in_channels"], h, w), timestep=full(500),
                   encoder_hidden_states=randn(b, n_txt, cfg["cross_attention_dim"]))
+    elif family == "sdxl":
+        # time_ids: original size, crop top-left, target size (SDXL's micro-conditioning)
+        ids = torch.tensor([8.0 * h, 8.0 * w, 0.0, 0.0, 8.0 * h, 8.0 * w])
+        kw = dict(sample=randn(b, cfg["in_channels"], h, w), timestep=full(500),
+                  encoder_hidden_states=randn(b, n_txt, cfg["cross_attention_dim"]),
+                  added_cond_kwargs={"text_embeds": randn(b, spec["text_embeds"]),
+                                     "time_ids": ids.repeat(b, 1).to(device=device,
+                                                                     dtype=dtype)})
+    elif family == "wan":
+        kw = dict(hidden_states=randn(b, cfg["in_channels"], spec["frames"], h, w),
+                  timestep=full(500),
+                  encoder_hidden_states=randn(b, n_txt, cfg["text_dim"]))
     else:
         raise KeyError(family)
     kw["return_dict"] = False

@@ -621,7 +621,9 @@ def write_json(path, payload):
 
 def selected_models(args):
     """The (family, size) keys to run, in table order; exits on an unknown name."""
-    fams = args.families or families()
+    if not args.families:  # every family that has the size asked for
+        return [(f, s) for s in args.sizes for f in families() if (f, s) in MODEL_CONFIGS]
+    fams = args.families
     keys = [(f, s) for s in args.sizes for f in fams if (f, s) in MODEL_CONFIGS]
     unknown = [(f, s) for s in args.sizes for f in fams if (f, s) not in MODEL_CONFIGS]
     if unknown:
