@@ -186,11 +186,19 @@ class RopeIdiom:
     # split_half:  view(x, [..., 2, D/2]) -> unbind(-2) -> cat([-second, first], -1) = rot;
     #              x * cos + rot * sin
     #   =>  sd.rope_apply.v1(x, cos, sin) {mode=split_half, n_rot=D}       (Stable Audio, CogView4)
+    # strided writes (Wan): x1, x2 = view(x, [..., D/2, 2]).unbind(-1); out = empty_like(x);
+    #              out[..., 0::2] = x1 * c - x2 * s;  out[..., 1::2] = x1 * s + x2 * c
+    #              (functionalised: two copy + slice_scatter pairs), c = cos[..., 0::2] and
+    #              s = sin[..., 1::2] as Wan gives them, or any [..., D/2] tables
+    #   =>  sd.rope_apply.v1(x, C, S) {mode=interleaved, n_rot=D}, C and S each value of c
+    #       and s repeated twice (unsqueeze, expand, clone, view: input-free tables fold into
+    #       constants); exact: x1 * c - x2 * s is x1 * c + (-x2) * s and the sum of the odd
+    #       features is the op's sum with its terms swapped, both exact in IEEE arithmetic
 
     Matched on dataflow; every intermediate must be read only inside the idiom and not be a
     graph output.  The output must have x's shape and dtype (no broadcast or promotion hidden
     in the multiplies), so the rewrite is exact: the kernels compute the same products and sum
-    in the same order.  The complex form (view_as_complex) is not recognised yet.
+    in the same order.  The complex form (view_as_complex(x) * freqs) is :meth:`_match_complex`'s.
     """
 
     name = "rope"
@@ -215,6 +223,20 @@ class RopeIdiom:
                               if n.op in (RopeTables.name, RopeApply.name) and not users.get(n)]:
                         graph.nodes.remove(n)
                     continue
+                fxbackend.replace_uses(graph, last, new)
+                users = graph.users()
+                count += 1
+                continue
+            found = self._match_strided(add, users)
+            if found is not None:
+                x, c, sn, last = found
+                try:
+                    tables = [self._pairs_table(graph, t, last) for t in (c, sn)]
+                    new = fxbackend.op_create(graph, RopeApply.name, [x, *tables],
+                                              {"mode": "interleaved",
+                                               "n_rot": x.meta.shape[-1]}, after=last)
+                except (ValueError, TypeError, RuntimeError):
+                    continue  # the tables' nodes stay unread: dead code, removed later
                 fxbackend.replace_uses(graph, last, new)
                 users = graph.users()
                 count += 1
@@ -271,6 +293,116 @@ class RopeIdiom:
                         continue
                     last = back[0]
                 return x, cos, sin, mode, last
+        return None
+
+    @staticmethod
+    def _pairs_table(graph, t, at):
+        """Nodes before ``at`` making ``[..., D/2]`` table ``t`` a contiguous ``[..., D]`` one
+        with every value twice (``t[..., i]`` at ``2i`` and ``2i + 1``)."""
+        from fxbackend.rewrite import AtenBuilder
+        make = AtenBuilder(graph, at)
+        shape = list(t.meta.shape)
+        u = make("unsqueeze", [t], {"dim": len(shape)})
+        e = make("expand", [u], {"size": shape + [2]})
+        c = make("clone", [e])
+        return make("view", [c], {"size": shape[:-1] + [2 * shape[-1]]})
+
+    def _match_strided(self, ss1, users):
+        """(x, c, s, last) for Wan's RoPE (see the class doc), ``last`` the second
+        slice_scatter; float32 throughout, every intermediate read inside the idiom only."""
+        def scatter(n, start):
+            p = n.params
+            return n.op == "aten.slice_scatter.default" and len(n.srcs) == 2 and \
+                isinstance(n.meta, TensorMeta) and _last_dim(n, p.get("dim", 0)) and \
+                p.get("start", 0) == start and p.get("step", 1) == 2 and \
+                p.get("end") in (None, n.meta.shape[-1], 2 ** 63 - 1)
+
+        def strided_slice(n, base, start):
+            p = n.params
+            return n.op == "aten.slice.Tensor" and n.srcs == [base] and \
+                _last_dim(n, p.get("dim", 0)) and p.get("start", 0) == start and \
+                p.get("step", 1) == 2 and p.get("end") in (None, base.meta.shape[-1], 2 ** 63 - 1)
+
+        def written(ss, base, start):
+            """The value the ``start`` half of ``ss`` = slice_scatter(base, copy(slice(base),
+            value)) gets, or None."""
+            if not scatter(ss, start) or ss.srcs[0] is not base:
+                return None
+            cp = ss.srcs[1]
+            if cp.op != "aten.copy.default" or len(cp.srcs) != 2 or cp.params or \
+                    not _only_user(users, cp, ss):
+                return None
+            sl, value = cp.srcs
+            if not strided_slice(sl, base, start) or not _only_user(users, sl, cp):
+                return None
+            return value
+
+        def products(n, op):
+            """((a, b), (c, d)) for ``op(mul(a, b), mul(c, d))``, each read only there."""
+            if n.op != op or len(n.srcs) != 2 or n.params.get("alpha", 1) != 1 or \
+                    any(k != "alpha" for k in n.params):
+                return None
+            if not all(m.op == "aten.mul.Tensor" and len(m.srcs) == 2 and not m.params and
+                       _only_user(users, m, n) for m in n.srcs):
+                return None
+            return tuple(tuple(m.srcs) for m in n.srcs)
+
+        def readers(n):
+            return sorted(users.get(n, []), key=id)
+
+        if not scatter(ss1, 1) or not isinstance(ss1.meta, TensorMeta) or \
+                not ss1.meta.is_contiguous:
+            return None
+        ss0 = ss1.srcs[0]
+        b = written(ss1, ss0, 1)
+        if b is None or ss0.is_output or \
+                readers(ss0) != sorted([ss1, ss1.srcs[1].srcs[0]], key=id):
+            return None
+        empty = ss0.srcs[0]
+        a = written(ss0, empty, 0)
+        if a is None or empty.op != "aten.empty_like.default" or empty.is_output or \
+                readers(empty) != sorted([ss0, ss0.srcs[1].srcs[0]], key=id):
+            return None
+        pa, pb = products(a, "aten.sub.Tensor"), products(b, "aten.add.Tensor")
+        if pa is None or pb is None or not _only_user(users, a, ss0.srcs[1]) or \
+                not _only_user(users, b, ss1.srcs[1]):
+            return None
+        # a = x1 * c - x2 * s (each product's factors in either order); b = x1 * s + x2 * c
+        # (its products and their factors in any order)
+        got = {frozenset(pb[0]), frozenset(pb[1])}
+        for (x1, c), (x2, sn) in ((f1, f2) for f1 in (pa[0], pa[0][::-1])
+                                  for f2 in (pa[1], pa[1][::-1])):
+            if x1.op != "getitem" or x2.op != "getitem" or x1.srcs != x2.srcs or \
+                    x1.params.get("index") != 0 or x2.params.get("index") != 1:
+                continue
+            if got != {frozenset((x1, sn)), frozenset((x2, c))}:
+                continue
+            unbind = x1.srcs[0]
+            if unbind.op != "aten.unbind.int" or unbind.is_output or \
+                    readers(unbind) != sorted([x1, x2], key=id) or \
+                    any(len(users.get(t, [])) != 2 or t.is_output for t in (x1, x2)):
+                continue
+            pairs = unbind.srcs[0]
+            if pairs.op != "aten.view.default" or not _only_user(users, pairs, unbind) or \
+                    not _last_dim(unbind, unbind.params.get("dim", 0)):
+                continue
+            x = pairs.srcs[0]
+            xm = x.meta if isinstance(x.meta, TensorMeta) else None
+            if xm is None or not xm.shape or xm.shape[-1] % 2:
+                continue
+            d = xm.shape[-1]
+            half = tuple(xm.shape[:-1]) + (d // 2,)
+            if tuple(pairs.meta.shape) != half + (2,) or \
+                    tuple(ss1.meta.shape) != tuple(xm.shape) or \
+                    tuple(a.meta.shape) != half or tuple(b.meta.shape) != half:
+                continue  # c or s broadcast x: not a rotation of x
+            metas = [getattr(n, "meta", None) for n in (x, c, sn, a, b, ss1, empty)]
+            if not all(isinstance(m, TensorMeta) and m.dtype == torch.float32 for m in metas):
+                continue  # the op's float32 maths is the chain's only in float32
+            if not c.meta.shape or not sn.meta.shape or c.meta.shape[-1] != d // 2 or \
+                    sn.meta.shape[-1] != d // 2:
+                continue
+            return x, c, sn, ss1
         return None
 
     def _match_complex(self, mul, users):

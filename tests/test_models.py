@@ -60,10 +60,10 @@ def test_dynamic_two_resolutions(family):
     # after each, the FF's GELU tanh; + the output modulation, the time embedding's SiLU and
     # the text embedding's GELU tanh
     ("wan", {"modulation": 5, "gated_residual": 4, "linear_act": 4},
-     {"rms_norm": 8, "attention_kv_contiguous": 4, "identity_arith": 1}),
+     {"rms_norm": 8, "rope": 4, "attention_kv_contiguous": 4, "identity_arith": 1}),
     # SDXL: each resnet's two GroupNorm -> SiLU (12 resnets) + conv_norm_out, one GEGLU per
     # transformer layer (2 x 2 down, 2 mid, 3 x 2 up), the time and added-condition embeddings'
-    # SiLU linears; Wan's RoPE (strided slice writes) is not recognised yet
+    # SiLU linears; Wan's RoPE (strided slice writes) on q and k of both blocks
     ("sdxl", {"group_norm_silu": 25, "linear_glu": 12, "linear_act": 2},
      {"attention_kv_contiguous": 24, "identity_arith": 38, "index_upsample": 1})])
 def test_wan_and_sdxl_fire_and_match_eager(family, fusions, rewrites):

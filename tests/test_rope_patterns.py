@@ -227,3 +227,85 @@ def test_unregister_rewrite_by_class_and_unknown_rule():
         fxbackend.unregister_rewrite(Noop)
     with pytest.raises(ValueError, match="not a registered rewrite rule"):
         fxbackend.unregister_rewrite(instance)
+
+
+# -- Wan's form: strided slice writes into an empty tensor ----------------------------------------
+
+def _wan_rope(x, freqs_cos, freqs_sin, order="wan"):
+    """RoPE as diffusers' WanAttnProcessor writes it ([B, S, H, D] x, [1, S, 1, D] tables
+    whose values come in equal pairs); ``order`` "swapped" writes the same maths with every
+    product's factors and the odd features' sum in the other order."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos = freqs_cos[..., 0::2]
+    sin = freqs_sin[..., 1::2]
+    out = torch.empty_like(x)
+    if order == "wan":
+        out[..., 0::2] = x1 * cos - x2 * sin
+        out[..., 1::2] = x1 * sin + x2 * cos
+    else:
+        out[..., 0::2] = cos * x1 - sin * x2
+        out[..., 1::2] = cos * x2 + sin * x1
+    return out.type_as(x)
+
+
+def _wan_inputs(b=1, s=6, h=2, d=12, dtype=torch.float32):
+    g = torch.Generator().manual_seed(3)
+    ang = torch.randn(s, d // 2, generator=g).repeat_interleave(2, dim=-1)[None, :, None]
+    return (torch.randn(b, s, h, d, generator=g).to(dtype), ang.cos(), ang.sin())
+
+
+@pytest.mark.parametrize("order", ["wan", "swapped"])
+def test_wan_strided_rope_becomes_one_op_and_stays_exact(order):
+    x, c, s_ = _wan_inputs()
+
+    def f(x, c, s_):
+        return _wan_rope(x, c, s_, order) + 1
+
+    with torch.no_grad():
+        out = torch.compile(f, backend="fxbackend")(x, c, s_)
+    assert torch.equal(out, f(x, c, s_))  # x1*c - x2*s is x1*c + (-x2)*s exactly
+    stats = fxbackend.stats()
+    assert stats["rewrites_by_rule"] == {"rope": 1}
+    assert stats["steps_by_kernel"]["rope_apply_cpu"] == 1
+    text = fxbackend.explain(f, x, c, s_)
+    assert "{mode=interleaved, n_rot=12}" in text and "slice_scatter" not in text
+
+
+def test_wan_strided_rope_with_unpaired_tables_stays_exact():
+    # tables whose even and odd values differ: the op's tables repeat the values the chain
+    # reads (cos at even features, sin at odd ones), so the result is still the chain's
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 5, 3, 8, generator=g)
+    c, s_ = torch.randn(1, 5, 1, 8, generator=g), torch.randn(1, 5, 1, 8, generator=g)
+    with torch.no_grad():
+        out = torch.compile(_wan_rope, backend="fxbackend")(x, c, s_)
+    assert torch.equal(out, _wan_rope(x, c, s_))
+    assert fxbackend.stats()["rewrites_by_rule"] == {"rope": 1}
+
+
+@pytest.mark.parametrize("case", ["bf16", "half_read_elsewhere", "sum_not_rotation"])
+def test_wan_strided_rope_declines(case):
+    x, c, s_ = _wan_inputs(dtype=torch.bfloat16 if case == "bf16" else torch.float32)
+
+    def f(x, c, s_):
+        if case == "half_read_elsewhere":
+            x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+            out = torch.empty_like(x)
+            out[..., 0::2] = x1 * c[..., 0::2] - x2 * s_[..., 1::2]
+            out[..., 1::2] = x1 * s_[..., 1::2] + x2 * c[..., 0::2]
+            return out, x1 * 2  # x1 escapes
+        if case == "sum_not_rotation":  # the odd features take x1 * c: not a rotation
+            x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+            out = torch.empty_like(x)
+            out[..., 0::2] = x1 * c[..., 0::2] - x2 * s_[..., 1::2]
+            out[..., 1::2] = x1 * c[..., 0::2] + x2 * s_[..., 1::2]
+            return out
+        return _wan_rope(x, c, s_)
+
+    with torch.no_grad():
+        got = torch.compile(f, backend="fxbackend")(x, c, s_)
+        want = f(x, c, s_)
+    for g_, w in zip(got if isinstance(got, tuple) else (got,),
+                     want if isinstance(want, tuple) else (want,)):
+        assert torch.equal(g_, w)
+    assert "rope" not in fxbackend.stats()["rewrites_by_rule"]
