@@ -10,12 +10,12 @@ Every entry of ``MODEL_CONFIGS`` is keyed by ``(family, size)`` and is plain dat
   third catches height/width mix-ups (duck sizing guards ``h == w``, so it may recompile).
 
 Families: ``flux`` (double- + single-stream MMDiT with 3-axis RoPE), ``sd3`` (joint-attention
-MMDiT, SD3.5-style QK RMSNorm), ``pixart`` (DiT with adaLN-single and cross-attention) and
+MMDiT, SD3.5-style QK RMSNorm), ``pixart`` (DiT with adaLN-single and cross-attention),
 ``unet`` (SD-style UNet2DConditionModel with GroupNorm resnets and cross-attention blocks),
-``wan`` (WanTransformer3DModel: video latents, 3-axis RoPE, cross-attention; tiny only) and
+``wan`` (WanTransformer3DModel: video latents, 3-axis RoPE, cross-attention) and
 ``sdxl`` (SDXL-style UNet2DConditionModel: linear projections, multi-layer transformer blocks,
 text/time added conditioning; tiny only).  Sizes: ``tiny`` (a few ms per call, quick to
-compile; for tests) and ``small`` (roughly 100-250 ms per float32 forward on a 2-core CPU; for
+compile; for tests) and ``small`` (roughly 100-350 ms per float32 forward on a 2-core CPU; for
 benchmarks).
 
 diffusers is imported lazily, so importing this module is cheap. Run it as a script to build
@@ -112,6 +112,15 @@ MODEL_CONFIGS = {
                        rope_max_seq_len=32),
         "inputs": dict(batch=1, resolutions=[(16, 16), (20, 20), (16, 24)], text_len=7,
                        frames=2),
+    },
+    ("wan", "small"): {
+        "cls": "WanTransformer3DModel",
+        "config": dict(patch_size=(1, 2, 2), num_attention_heads=8, attention_head_dim=64,
+                       in_channels=16, out_channels=16, text_dim=256, freq_dim=256,
+                       ffn_dim=2048, num_layers=2, cross_attn_norm=True,
+                       qk_norm="rms_norm_across_heads", rope_max_seq_len=1024),
+        "inputs": dict(batch=1, resolutions=[(48, 48), (40, 40), (32, 48)], text_len=77,
+                       frames=3),
     },
     # SDXL layout: linear-projection transformers with several layers in the deeper block,
     # added conditioning (pooled text embeddings + size/crop time ids, "text_time").
