@@ -84,11 +84,14 @@ def test_flux_small_arena_at_most_60_percent():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("family", ["flux", "unet"])
+@pytest.mark.parametrize("family", ["flux", "unet", "wan"])
 def test_16bit_models_fused_match_unfused_and_eager(family, dtype):
     # every rule's 16-bit path on a whole model: fused equals unfused up to one rounding of the
     # fused kernels (measured: bf16 bit-exact; fp16 UNet 1.2e-3, one fp16 ulp at the output's
-    # scale, from group_norm_silu), and both match eager
+    # scale, from group_norm_silu), and both match eager.  Wan computes its residuals and RoPE
+    # in float32 around 16-bit values: gated_residual, rope and one modulation decline there
+    # (mixed dtypes), the rest is bit-exact.  (Tiny SDXL in bf16 is 1.6e-2 from eager, as
+    # Inductor is: the group norm's moments are not torch's, and 25 of them compound)
     ref, out, _ = eager_and_compiled(family, dtype=dtype)
     torch._dynamo.reset()
     _, unfused, _ = eager_and_compiled(family, dtype=dtype, options={"fusion": False})
