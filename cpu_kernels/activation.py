@@ -50,7 +50,8 @@ import numpy as np
 import torch
 
 import fxbackend
-from fxbackend.patterns.activation import ACTS, LinearActFusion, LinearGluFusion, gemm_into
+from fxbackend.patterns.activation import (ACTS, LinearActFusion, LinearGluFusion, gemm_into,
+                                           movable_bias)
 
 from . import _numba, _vmath
 from . import rmsnorm as _rms
@@ -360,9 +361,9 @@ class LinearActCPU:
 def _bias_in_pass(bias, y, beta, alpha) -> bool:
     """Whether the bias of ``addmm(bias, x, w)`` into ``y`` goes into the activation pass
     instead: float32, a contiguous ``[N]`` bias over the columns, beta = alpha = 1."""
-    return bias is not None and beta == 1 and alpha == 1 and y.dtype == torch.float32 and \
-        bias.dtype == torch.float32 and bias.dim() == 1 and bias.is_contiguous() and \
-        y.dim() == 2 and bias.shape[0] == y.shape[1]
+    return bias is not None and y.dim() == 2 and \
+        movable_bias(y.dtype, bias.dtype, bias.shape, bias.is_contiguous(), y.shape[1], beta,
+                     alpha)
 
 
 _IMPL = LinearActCPU()

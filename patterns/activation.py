@@ -31,7 +31,7 @@ import torch
 from fxbackend import TensorMeta
 
 __all__ = ["ACTS", "LinearActFusion", "LinearGluFusion", "ReferenceLinearAct", "act_reference",
-           "linear_act_reference", "gemm_into"]
+           "linear_act_reference", "gemm_into", "movable_bias"]
 
 #: activation names: gelu with the tanh approximation, gelu with erf, silu
 ACTS = ("gelu_tanh", "gelu", "silu")
@@ -58,6 +58,17 @@ def gemm_into(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Ten
     if bias is None:
         return torch.mm(x, w, out=y)
     return torch.addmm(bias, x, w, beta=beta, alpha=alpha, out=y)
+
+
+def movable_bias(out_dtype, bias_dtype, bias_shape: tuple, bias_contiguous: bool, n: int,
+                 beta=1, alpha=1) -> bool:
+    """Whether ``addmm(bias, x, w)`` with an ``[M, n]`` result of ``out_dtype`` may run as
+    ``mm(x, w)`` with the bias added after the GEMM by the pass that reads its result (as
+    Inductor does with an addmm only pointwise ops read): float32, a contiguous ``[n]`` bias,
+    beta = alpha = 1.  16-bit results keep the addmm (a 16-bit GEMM rounds ``acc + bias``
+    once).  Shared by the activation and gated_residual epilogues (tensors or metadata)."""
+    return out_dtype == torch.float32 and bias_dtype == torch.float32 and beta == 1 and \
+        alpha == 1 and bias_contiguous and tuple(bias_shape) == (n,)
 
 
 def linear_act_reference(x, w, bias, act: str, gate: int | None = None, beta=1,

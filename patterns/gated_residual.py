@@ -41,6 +41,8 @@ import torch
 import fxbackend
 from fxbackend import TensorMeta, contiguous_strides
 
+from .activation import gemm_into, movable_bias
+
 __all__ = ["gated_residual_reference", "GatedResidualFusion", "ReferenceGatedResidual",
            "DTYPES", "LINEAR_OPS", "EpilogueLayout", "epilogue_layout", "epilogue_why_not",
            "bias_in_epilogue"]
@@ -464,16 +466,15 @@ class GatedResidualFusion:
             # out overlaps an input: the memory planner does not do this (inputs live through
             # the step), but the rule must stay correct if it ever did
             y2d = torch.empty((m, n), dtype=out.dtype, device=out.device)
-        if st["bias_in_epilogue"]:
+        bias = None if p.bias is None else gemm_in[0]
+        if st["bias_in_epilogue"]:  # mm, and the epilogue adds the bias
             torch.mm(x, w, out=y2d)
-            self.impl.run(y2d.view(p.y_shape), gate, res, out, scale_op=p.scale_op,
-                          scale=p.scale, bias=gemm_in[0])
-            return
-        if p.bias is None:
-            torch.mm(x, w, out=y2d)
+            kw = {"bias": bias}
         else:
-            torch.addmm(gemm_in[0], x, w, out=y2d, **st["gemm_kw"])
-        self.impl.run(y2d.view(p.y_shape), gate, res, out, scale_op=p.scale_op, scale=p.scale)
+            gemm_into(y2d, x, w, bias, **st["gemm_kw"])
+            kw = {}
+        self.impl.run(y2d.view(p.y_shape), gate, res, out, scale_op=p.scale_op, scale=p.scale,
+                      **kw)
 
 
 def bias_in_epilogue(bias, linear_meta: TensorMeta, gemm_kw: dict) -> bool:
@@ -482,10 +483,9 @@ def bias_in_epilogue(bias, linear_meta: TensorMeta, gemm_kw: dict) -> bool:
     float32, a contiguous ``[N]`` bias (``bias``: its graph node, None for ``mm``), beta =
     alpha = 1."""
     b = _tensor(bias) if bias is not None else None
-    return b is not None and linear_meta.dtype == torch.float32 and b.dtype == torch.float32 \
-        and len(b.shape) == 1 and b.is_contiguous and \
-        int(b.shape[0]) == int(linear_meta.shape[-1]) and b.device == linear_meta.device and \
-        gemm_kw.get("beta", 1) == 1 and gemm_kw.get("alpha", 1) == 1
+    return b is not None and b.device == linear_meta.device and \
+        movable_bias(linear_meta.dtype, b.dtype, b.shape, b.is_contiguous,
+                     linear_meta.shape[-1], gemm_kw.get("beta", 1), gemm_kw.get("alpha", 1))
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -335,7 +335,7 @@ class GroupNormIdiom:
         return count
 
     @staticmethod
-    def _match(gn, users, devices=("cuda",)):
+    def _match(gn, users, devices: tuple):
         if gn.op != GROUP_NORM or len(gn.srcs) != 3 or gn.is_output:
             return None
         xm = gn.srcs[0].meta

@@ -37,7 +37,7 @@ import statistics
 import time
 
 import torch
-from benchstats import verdict
+from benchstats import describe, goal_met, verdict
 
 import fxbackend.cpu_kernels.activation  # noqa: F401
 from fxbackend.cpu_kernels.activation import LinearActCPU, compile_kernels, glu_cpu
@@ -160,11 +160,8 @@ def bench(name, m, k, n, act, gated, rounds):
 def _goal(v: dict) -> str:
     """The goal line of a row's verdicts (scripts/benchstats.py): faster than eager ("ahead")
     and not slower than Inductor (not "behind")."""
-    def cell(x):
-        return f"{x[0]} {x[1]:.3f} [{x[2]:.3f}, {x[3]:.3f}]"
-    met = v["eager"][0] == "ahead" and v["inductor"][0] != "behind"
-    return (f"vs eager {cell(v['eager'])}, vs inductor {cell(v['inductor'])}: "
-            f"{'met' if met else 'MISSED'}")
+    return (f"vs eager {describe(v['eager'])}, vs inductor {describe(v['inductor'])}: "
+            f"{'met' if goal_met(v['eager'], v['inductor']) else 'MISSED'}")
 
 
 def main():

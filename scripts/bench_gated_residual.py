@@ -53,7 +53,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchstats import paired_ratio, verdict
+from benchstats import describe, goal_met, paired_ratio, verdict
 
 #: name -> (tokens, hidden, K of the linear, variant, model): variant "plain" is
 #: ``res + gate * y`` (Flux/SD3 FF, Flux single-stream proj_out), "clone" adds the clone that
@@ -249,11 +249,8 @@ def main(argv=None):
           "information, not the step's case: the step runs the epilogue in place on the GEMM's "
           "output)")
     for part, name, ve, vi in goals:
-        def cell(v):
-            return f"{v[0]:6s} {v[1]:6.3f} [{v[2]:.3f}, {v[3]:.3f}]"
-        met = ve[0] == "ahead" and vi[0] != "behind"
-        print(f"  {part:8s} {name:14s} eager: {cell(ve)}   inductor: {cell(vi)}   "
-              f"{'met' if met else 'MISSED'}")
+        print(f"  {part:8s} {name:14s} eager: {describe(ve)}   inductor: {describe(vi)}   "
+              f"{'met' if goal_met(ve, vi) else 'MISSED'}")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(report, f, indent=1)

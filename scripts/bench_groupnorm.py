@@ -51,7 +51,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from benchstats import verdict
+from benchstats import describe, goal_met, verdict
 
 #: name -> (N, C, H, W, groups, eps, where): SD1.5 UNet (block_out_channels 320/640/1280/1280,
 #: norm_num_groups 32, resnet eps 1e-5), 512x512 images -> 64x64 latents, batch 2 (CFG)
@@ -190,12 +190,11 @@ def main(argv=None) -> int:
                           if k != "kernel"}
                 r["ratios"] = ratios
                 v = r["verdict"]
-                ok = v["eager"][0] == "ahead" and v.get("inductor", ("",))[0] != "behind"
+                ok = goal_met(v["eager"], v.get("inductor"))
                 if "note" not in r:  # rows the backend runs
                     goals_met &= ok
                 print("    " + "  ".join(f"{k} {x:.2f}x" for k, x in ratios.items())
-                      + "  paired: " + ", ".join(f"{o} {w} {m:.3f} [{lo:.3f}, {hi:.3f}]"
-                                                for o, (w, m, lo, hi) in v.items())
+                      + "  paired: " + ", ".join(f"{o} {describe(x)}" for o, x in v.items())
                       + ("  (goals met)" if ok else "  (goal missed)")
                       + (f"  [{r['note']}]" if "note" in r else ""))
     print(f"goals (kernel faster than eager: paired ratio's 95% interval above 1; not slower "

@@ -44,3 +44,14 @@ def verdict(per_round: dict, num: str, den: str) -> tuple[str, float, float, flo
     lo, hi = median_ci(ratios)
     word = "ahead" if lo > 1 else "behind" if hi < 1 else "level"
     return word, statistics.median(ratios), lo, hi
+
+
+def describe(v: tuple) -> str:
+    """A :func:`verdict` as text: ``word median [low, high]``."""
+    return f"{v[0]} {v[1]:.3f} [{v[2]:.3f}, {v[3]:.3f}]"
+
+
+def goal_met(vs_eager: tuple, vs_inductor: tuple | None = None) -> bool:
+    """The kernel benchmarks' goal on two verdicts (other's time / the kernel's): faster than
+    eager ("ahead") and, when measured, not slower than Inductor (not "behind")."""
+    return vs_eager[0] == "ahead" and (vs_inductor is None or vs_inductor[0] != "behind")

@@ -48,3 +48,11 @@ def test_verdicts():
     word, med, lo, hi = bench.verdict(noisy, "ind", "f")
     assert word == "level" and lo < 1 < hi and med == 1.0
     assert bench.verdict({"f": [1.0] * 15}, "ind", "f")[0] == "n/a"
+
+
+def test_describe_and_goal_met():
+    ahead, level, behind = ("ahead", 1.2, 1.1, 1.3), ("level", 1.0, 0.9, 1.1), \
+        ("behind", 0.8, 0.7, 0.9)
+    assert bench.describe(ahead) == "ahead 1.200 [1.100, 1.300]"
+    assert bench.goal_met(ahead, level) and bench.goal_met(ahead) and bench.goal_met(ahead, ahead)
+    assert not bench.goal_met(level, ahead) and not bench.goal_met(ahead, behind)
