@@ -44,9 +44,8 @@ from fxbackend.patterns.rmsnorm import rms_norm_out_dtype
 
 from . import _numba
 from . import rope as _rope
-from .rope import (_NP_OF, _bcast_offsets, _compile_lock, _f16_to_f32, _f32_to_bf16,
-                   _f32_to_f16, _bf16_to_f32, _flat, _load, _set_threads, _store,
-                   _why_not_metas)
+from .rope import (_NP_OF, _bcast_offsets, _compile_lock, _flat, _load, _round_as,
+                   _set_threads, _store, _why_not_metas)
 
 __all__ = ["RmsNormCPU", "rms_norm_cpu", "compile_kernels"]
 
@@ -55,38 +54,22 @@ prange = range
 
 
 def _register_helpers(numba) -> None:
-    from numba import types
-    from numba.extending import overload, register_jitable
+    from numba.extending import register_jitable
 
     for fn in (_inv_rms, _normed):
         register_jitable(fn)
     _numba.reassoc(_sum_squares)  # the sum alone (see the module docstring)
 
-    @overload(_round_as)
-    def _round_as_impl(a, v):
-        dt = a.dtype
-        if dt == types.float32:
-            return lambda a, v: v
-        if dt == types.int16:
-            return lambda a, v: _bf16_to_f32(_f32_to_bf16(v))
-        if dt == types.uint16:
-            return lambda a, v: _f16_to_f32(_f32_to_f16(v))
-        return None
-
 
 #: registers this file's jitted helpers (and rope's) with numba, once.  Required by the other
-#: kernel modules, whose kernels call ``_round_as`` (and rms_rope's ``_inv_rms``, ``_normed``)
+#: kernel modules, whose kernels call rms_rope's ``_inv_rms``, ``_normed`` (``_round_as``, which
+#: several kernels import from here, is rope's)
 _register = _numba.once(globals(), _register_helpers, requires=(_rope._register,))
 #: the jitted kernel (it compiles per dtype combination when first called)
 _jit = _numba.once(globals(), lambda numba: _numba.njit(_rms_norm_kernel), requires=(_register,))
 
 
 # -- jitted helpers (float32 maths) ---------------------------------------------------------------
-
-def _round_as(a, v):
-    """float32 ``v`` rounded to a's element type (to nearest even) and back: jit only."""
-    raise NotImplementedError("_round_as is a numba helper: call it from a jitted kernel")
-
 
 def _sum_squares(xr, d):
     """sum(float(x)^2) over a row, float32; compiled on its own with ``reassoc`` (see the module

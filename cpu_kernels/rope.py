@@ -91,7 +91,8 @@ def _register_helpers(numba) -> None:
     else:
         register_jitable(_f16_to_f32)
         register_jitable(_f32_to_f16)
-    _numba.inline(_row_views, _row_interleaved, _row_split_half)
+    _numba.inline(_row_views, _row_interleaved, _row_split_half, _row_interleaved_rounded,
+                  _row_split_half_rounded)
 
     @overload(_load)
     def _load_impl(a, i):
@@ -119,6 +120,17 @@ def _register_helpers(numba) -> None:
         else:
             return None
         return st
+
+    @overload(_round_as)
+    def _round_as_impl(a, v):
+        dt = a.dtype
+        if dt == types.float32:
+            return lambda a, v: v
+        if dt == types.int16:
+            return lambda a, v: _bf16_to_f32(_f32_to_bf16(v))
+        if dt == types.uint16:
+            return lambda a, v: _f16_to_f32(_f32_to_f16(v))
+        return None
 
 
 def _hardware_half() -> bool:
@@ -187,6 +199,11 @@ def _load(a, i):
 def _store(a, i, v):
     """``a[i] = v`` rounded to a's element type (to nearest even): jit only."""
     raise NotImplementedError("_store is a numba helper: call it from a jitted kernel")
+
+
+def _round_as(a, v):
+    """float32 ``v`` rounded to a's element type (to nearest even) and back: jit only."""
+    raise NotImplementedError("_round_as is a numba helper: call it from a jitted kernel")
 
 
 def _bf16_to_f32(b):
@@ -286,6 +303,29 @@ def _row_split_half(xr, cr, sr, orow, n_rot):
         _store(orow, p + h, b * _load(cr, p + h) + a * _load(sr, p + h))
 
 
+def _row_interleaved_rounded(xr, cr, sr, orow, n_rot):
+    """``_row_interleaved`` with each product rounded to out's dtype (the sum rounds in the
+    store): ``sd.rope_apply_rounded.v1``."""
+    for p in range(n_rot // 2):
+        e = 2 * p
+        a = _load(xr, e)
+        b = _load(xr, e + 1)
+        _store(orow, e, _round_as(orow, a * _load(cr, e)) - _round_as(orow, b * _load(sr, e)))
+        _store(orow, e + 1, _round_as(orow, b * _load(cr, e + 1)) +
+               _round_as(orow, a * _load(sr, e + 1)))
+
+
+def _row_split_half_rounded(xr, cr, sr, orow, n_rot):
+    """``_row_split_half`` with each product rounded to out's dtype."""
+    h = n_rot // 2
+    for p in range(h):
+        a = _load(xr, p)
+        b = _load(xr, p + h)
+        _store(orow, p, _round_as(orow, a * _load(cr, p)) - _round_as(orow, b * _load(sr, p)))
+        _store(orow, p + h, _round_as(orow, b * _load(cr, p + h)) +
+               _round_as(orow, a * _load(sr, p + h)))
+
+
 def _tasks(vt, bt, tile, bchunk):
     """``(tasks, nv, nb, nbc)``: a kernel's parallel tasks are tiles of ``tile`` of the ``nv``
     cos rows (table ``vt``) by chunks of ``bchunk`` of the ``nb`` broadcast indices (table
@@ -329,7 +369,7 @@ def _row_views(x, out, cos, sin, voff, j, bx, bo, d, n_rot):
             sin[voff[j, 3]:voff[j, 3] + n_rot])
 
 
-def _rope_kernel(x, cos, sin, out, vt, bt, d, n_rot, tile, bchunk, interleaved):
+def _rope_kernel(x, cos, sin, out, vt, bt, d, n_rot, tile, bchunk, interleaved, each_op):
     """Rows are pairs (v, b): v indexes the rows of cos/sin (table ``vt``), b the dims they are
     broadcast over (table ``bt``).  A task is a tile of ``tile`` values of v by a chunk of b, and
     runs b outer, v inner: the tile's cos/sin rows stay in L1 while every head reuses them
@@ -342,7 +382,12 @@ def _rope_kernel(x, cos, sin, out, vt, bt, d, n_rot, tile, bchunk, interleaved):
             bx, bo = _bcast_offsets(b, bt)
             for j in range(voff.shape[0]):
                 xr, orow, cr, sr = _row_views(x, out, cos, sin, voff, j, bx, bo, d, n_rot)
-                if interleaved:
+                if each_op:
+                    if interleaved:
+                        _row_interleaved_rounded(xr, cr, sr, orow, n_rot)
+                    else:
+                        _row_split_half_rounded(xr, cr, sr, orow, n_rot)
+                elif interleaved:
                     _row_interleaved(xr, cr, sr, orow, n_rot)
                 else:
                     _row_split_half(xr, cr, sr, orow, n_rot)
@@ -437,14 +482,15 @@ def _bchunk(lay: _Layout, threads: int) -> int:
     return -(-lay.nb // nbc)
 
 
-def _launch(mode: str, n_rot: int, lay: _Layout, x, cos, sin, out) -> None:
+def _launch(mode: str, n_rot: int, lay: _Layout, x, cos, sin, out,
+            each_op: bool = False) -> None:
     if lay.spans[0] == 0:
         return
     fn = _jit()
     bchunk = _bchunk(lay, _set_threads())
     fn(_flat(x, lay.spans[0]), _flat(cos, lay.spans[1]), _flat(sin, lay.spans[2]),
        _flat(out, out.numel()), lay.vt, lay.bt, x.shape[-1], n_rot, lay.tile, bchunk,
-       mode == "interleaved")
+       mode == "interleaved", each_op)
 
 
 def _why_not_metas(metas: tuple) -> str | None:
@@ -491,10 +537,13 @@ def _why_not(x_meta: Any, cos_meta: Any, sin_meta: Any, mode: Any, n_rot: Any) -
 
 
 def rope_apply_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str, n_rot: int,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """``sd.rope_apply.v1`` on CPU tensors with the numba kernel (the launcher; for direct calls
-    and benchmarks).  ``out``: a contiguous tensor of x's shape and dtype, or None (allocated).
+                   out: torch.Tensor | None = None, rounding: str = "once") -> torch.Tensor:
+    """``sd.rope_apply.v1`` (``rounding="once"``) or ``sd.rope_apply_rounded.v1``
+    (``"each_op"``) on CPU tensors with the numba kernel (the launcher; for direct calls and
+    benchmarks).  ``out``: a contiguous tensor of x's shape and dtype, or None (allocated).
     Raises ValueError for inputs the kernel does not handle (see ``RopeApplyCPU.supports``)."""
+    if rounding not in ("once", "each_op"):
+        raise ValueError(f"rope_apply_cpu: rounding must be 'once' or 'each_op', got {rounding!r}")
     why = _why_not(fxbackend.TensorMeta.of(x), fxbackend.TensorMeta.of(cos),
                    fxbackend.TensorMeta.of(sin), mode, n_rot)
     if why is not None:
@@ -503,7 +552,7 @@ def rope_apply_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: 
         out = torch.empty(x.shape, dtype=x.dtype)
     elif out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
         raise ValueError("rope_apply_cpu: out must be contiguous with x's shape and dtype")
-    _launch(mode, n_rot, _layout_of(x, cos, sin, n_rot), x, cos, sin, out)
+    _launch(mode, n_rot, _layout_of(x, cos, sin, n_rot), x, cos, sin, out, rounding == "each_op")
     return out
 
 
@@ -518,7 +567,7 @@ def compile_kernels(x_dtype: torch.dtype, cos_dtype: torch.dtype,
     with _compile_lock:
         fn(np.zeros(0, _NP_OF[x_dtype]), np.zeros(0, _NP_OF[cos_dtype]),
            np.zeros(0, _NP_OF[sin_dtype]), np.zeros(0, _NP_OF[x_dtype]), t, t[:, :3].copy(),
-           2, 2, 1, 1, True)
+           2, 2, 1, 1, True, False)
 
 
 class RopeApplyCPU:
@@ -528,6 +577,7 @@ class RopeApplyCPU:
 
     name = "rope_apply_cpu"
     op = "sd.rope_apply.v1"
+    each_op = False  # RopeApplyRoundedCPU: each product rounded to x's dtype
 
     def supports(self, node) -> bool:
         try:
@@ -553,7 +603,17 @@ class RopeApplyCPU:
         if (x.stride(), cos.stride(), sin.stride()) != lay.strides:
             # the caller passed other strides than the plan's metadata: never read out of bounds
             lay = _layout_of(x, cos, sin, node.params["n_rot"])
-        _launch(node.params["mode"], node.params["n_rot"], lay, x, cos, sin, out)
+        _launch(node.params["mode"], node.params["n_rot"], lay, x, cos, sin, out, self.each_op)
+
+
+class RopeApplyRoundedCPU(RopeApplyCPU):
+    """The same kernel for ``sd.rope_apply_rounded.v1``: each product rounded to x's dtype
+    before the sum (run-time flag; the same compiled kernel)."""
+
+    name = "rope_apply_rounded_cpu"
+    op = "sd.rope_apply_rounded.v1"
+    each_op = True
 
 
 fxbackend.register_kernel("cpu", RopeApplyCPU)
+fxbackend.register_kernel("cpu", RopeApplyRoundedCPU)

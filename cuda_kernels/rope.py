@@ -9,7 +9,8 @@ with the pair partner ``p`` and sign:
 - interleaved (pairs (2i, 2i+1); Flux, CogVideoX, HunyuanDiT): p(f) = f ^ 1, sign = -1 for even f;
 - split_half (pairs (i, i + n/2); GPT-NeoX style ``cat(-x2, x1)``): p(f) = f + n/2 with sign -1
   for f < n/2, p(f) = f - n/2 with sign +1 otherwise.
-The result is rounded once to x's dtype (round-to-nearest-even, as ``Tensor.to``).
+The result is rounded once to x's dtype (round-to-nearest-even, as ``Tensor.to``); for
+``sd.rope_apply_rounded.v1`` (``EACH_OP``) each of the two products is rounded to it first.
 Sources: Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding"
 (arXiv 2104.09864); diffusers ``apply_rotary_emb`` (both pairings); Liger-Kernel ``ops/rope.py``
 and vLLM ``rotary_embedding`` kernels for the row-tiled, partner-load layout.
@@ -67,7 +68,7 @@ _jit_lock = threading.Lock()
 #: the ``@triton.jit`` helpers below, shared with the kernels of ``rmsnorm.py`` and
 #: ``rms_rope.py`` (which call them as ``rope.<name>``): plain functions until the first
 #: :func:`lazy_kernel` getter call replaces each, in this module, with its jitted form
-_HELPERS = ("_lead_index", "_lead_offset", "_rope_partner")
+_HELPERS = ("_lead_index", "_lead_offset", "_rope_partner", "_round_as")
 
 
 #: (module name, helper name) of every ``@triton.jit`` helper :func:`lazy_kernel` jitted
@@ -140,11 +141,25 @@ def _rope_partner(f, n_rot, INTERLEAVED: tl.constexpr):
     return partner, sign
 
 
+def _round_as(y, like_ptr):
+    """float32 ``y`` rounded to the element type of ``like_ptr`` (to nearest even, NaN kept)
+    and back to float32.  bf16 rounds with integer operations rather than a conversion:
+    Triton's interpreter converts float32 to bf16 by truncation, so this is the one form that
+    gives the GPU's bits in both (a value rounded so converts exactly either way)."""
+    if like_ptr.dtype.element_ty == tl.bfloat16:
+        u = y.to(tl.uint32, bitcast=True)
+        r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+        return tl.where(y != y, y, r.to(tl.float32, bitcast=True))
+    else:
+        return y.to(like_ptr.dtype.element_ty).to(tl.float32)
+
+
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, D, n_rot,
                  size1, size2, size3,
                  xs0, xs1, xs2, xs3, cs0, cs1, cs2, cs3, ss0, ss1, ss2, ss3,
                  cos_sf, sin_sf,
-                 INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                 INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                 EACH_OP: tl.constexpr):
     rows, row_ok, i0, i1, i2, i3 = _lead_index(n_rows, size1, size2, size3, BLOCK_R)
     x_row = _lead_offset(i0, i1, i2, i3, xs0, xs1, xs2, xs3)
     c_row = _lead_offset(i0, i1, i2, i3, cs0, cs1, cs2, cs3)
@@ -161,7 +176,11 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, D, n_rot,
     xp = tl.load(x_base + partner[None, :], mask=m_rot, other=0.0).to(tl.float32)
     c = tl.load(cos_ptr + c_row[:, None] + f[None, :] * cos_sf, mask=m_rot, other=0.0)
     s = tl.load(sin_ptr + s_row[:, None] + f[None, :] * sin_sf, mask=m_rot, other=0.0)
-    y = x * c.to(tl.float32) + sign[None, :] * xp * s.to(tl.float32)
+    if EACH_OP:  # sd.rope_apply_rounded.v1: each product and the sum rounded to out's dtype
+        y = _round_as(_round_as(x * c.to(tl.float32), out_ptr) +
+                      _round_as(sign[None, :] * xp * s.to(tl.float32), out_ptr), out_ptr)
+    else:
+        y = x * c.to(tl.float32) + sign[None, :] * xp * s.to(tl.float32)
     y = tl.where(rot[None, :], y, x)
     tl.store(out_ptr + rows[:, None] * D + f[None, :], y.to(out_ptr.dtype.element_ty),
              mask=m_all)
@@ -295,18 +314,18 @@ def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-def _launch(p: _Launch, device: torch.device, x, cos, sin, out) -> None:
+def _launch(p: _Launch, device: torch.device, x, cos, sin, out, each_op: bool = False) -> None:
     if p.grid[0] == 0:
         return
     _launch_on(device, _kernel()[p.grid], (x, cos, sin, out, *p.args),
                dict(INTERLEAVED=p.interleaved, BLOCK_R=p.block_r, BLOCK_D=p.block_d,
-                    num_warps=NUM_WARPS))
+                    EACH_OP=each_op, num_warps=NUM_WARPS))
 
 
 def rope_apply_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str,
-                      n_rot: int, out: torch.Tensor) -> torch.Tensor:
-    """``out = sd.rope_apply.v1(x, cos, sin) {mode, n_rot}`` with the Triton kernel; returns
-    ``out``.
+                      n_rot: int, out: torch.Tensor, rounding: str = "once") -> torch.Tensor:
+    """``out = sd.rope_apply.v1(x, cos, sin) {mode, n_rot}`` (``rounding="once"``) or
+    ``sd.rope_apply_rounded.v1`` (``"each_op"``) with the Triton kernel; returns ``out``.
 
     ``x``: ``[..., D]`` float32/bfloat16/float16, last stride 1, other strides arbitrary;
     ``cos``/``sin``: float32/bfloat16/float16, broadcastable to ``x.shape[:-1] + (n_rot,)``, any
@@ -314,6 +333,9 @@ def rope_apply_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mod
     CUDA device (launched on its current stream), or on the CPU under ``TRITON_INTERPRET=1``.
     Raises ValueError for arguments the kernel does not take.
     """
+    if rounding not in ("once", "each_op"):
+        raise ValueError(f"rope_apply_triton: rounding must be 'once' or 'each_op', got "
+                         f"{rounding!r}")
     for name, t in (("x", x), ("cos", cos), ("sin", sin), ("out", out)):
         if t.dtype not in DTYPES:
             raise ValueError(f"rope_apply_triton: {name} has dtype {t.dtype}; the kernel takes "
@@ -328,7 +350,7 @@ def rope_apply_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mod
         p = _plan_of_tensors(x, cos, sin, mode, n_rot)
     except ValueError as e:
         raise ValueError(f"rope_apply_triton: {e}") from None
-    _launch(p, x.device, x, cos, sin, out)
+    _launch(p, x.device, x, cos, sin, out, rounding == "each_op")
     return out
 
 
@@ -365,6 +387,7 @@ class RopeApplyCUDA:
     capture_safe = True
     op = "sd.rope_apply.v1"
     priority = 10
+    each_op = False  # RopeApplyRoundedCUDA: each product rounded to x's dtype
 
     def supports(self, node) -> bool:
         """CUDA tensors of float32/bfloat16/float16, concrete shapes, x's last stride 1,
@@ -411,13 +434,23 @@ class RopeApplyCUDA:
                   tuple(sin.shape), tuple(sin.stride), node.params["mode"], node.params["n_rot"])
         _warmup_on(x.device, _kernel, (x.dtype, cos.dtype, sin.dtype, node.meta.dtype, *p.args),
                    dict(INTERLEAVED=p.interleaved, BLOCK_R=p.block_r, BLOCK_D=p.block_d,
-                        num_warps=NUM_WARPS, grid=p.grid))
+                        EACH_OP=self.each_op, num_warps=NUM_WARPS, grid=p.grid))
 
     def execute(self, ctx, node, state, inputs, out, workspace) -> None:
         # _launch makes ctx.device current; Triton launches on its current stream (ctx.stream)
         x, cos, sin = inputs
         _launch(state.get(x, cos, sin, node.params["mode"], node.params["n_rot"]), ctx.device,
-                x, cos, sin, out)
+                x, cos, sin, out, self.each_op)
+
+
+class RopeApplyRoundedCUDA(RopeApplyCUDA):
+    """The same kernel for ``sd.rope_apply_rounded.v1`` (``EACH_OP``: each product rounded to
+    x's dtype before the sum)."""
+
+    name = "rope_apply_rounded_triton"
+    op = "sd.rope_apply_rounded.v1"
+    each_op = True
 
 
 fxbackend.register_kernel("cuda", RopeApplyCUDA)
+fxbackend.register_kernel("cuda", RopeApplyRoundedCUDA)

@@ -14,8 +14,18 @@ batch and heads as the model gives them, e.g. ``[S, n_rot]`` against ``[B, H, S,
   (Flux, CogVideoX, HunyuanDiT: ``reshape(..., -1, 2).unbind(-1)``, ``stack(-imag, real)``);
 - ``mode="split_half"``: pairs (i, i + n_rot/2): rotate(x)[i] = -x[i + h], rotate(x)[i + h] = x[i]
   (``cat(-second half, first half)``).
-The output has x's dtype and is contiguous.  Sources: Su et al., "RoFormer" (arXiv 2104.09864);
-diffusers ``apply_rotary_emb``.
+The output has x's dtype and is contiguous.
+
+``sd.rope_apply_rounded.v1(x, cos, sin) {mode, n_rot}`` is the same rotation with each product
+and the sum rounded to x's dtype T, as a chain of 16-bit torch ops computes it (Wan writes its
+RoPE in the model's dtype)::
+
+    out[..., :n_rot] = round_T(round_T(x * cos) + round_T(rotate(x) * sin))
+
+(each product and the sum in float32 first).  For float32 x it is ``sd.rope_apply.v1``.  A
+separate op rather than an attribute: a kernel registered for ``sd.rope_apply.v1`` that did not
+know the attribute would compute these nodes with one rounding.  Sources: Su et al., "RoFormer"
+(arXiv 2104.09864); diffusers ``apply_rotary_emb``.
 """
 from __future__ import annotations
 
@@ -28,10 +38,13 @@ from .rmsnorm import RmsNorm, is_cast_to
 
 RmsNormName = RmsNorm.name
 
-__all__ = ["RopeApply", "RopeTables", "RopeIdiom", "rope_reference", "rms_rope_reference", "RmsRopeFusion",
+__all__ = ["RopeApply", "RopeApplyRounded", "RopeTables", "RopeIdiom", "rope_reference", "rms_rope_reference", "RmsRopeFusion",
            "ReferenceRmsRope", "MODES"]
 
 MODES = ("interleaved", "split_half")
+#: how ``rope_reference`` rounds: once (``sd.rope_apply.v1``) or after each product and the sum
+#: (``sd.rope_apply_rounded.v1``)
+ROUNDINGS = ("once", "each_op")
 _HALF = (torch.bfloat16, torch.float16)
 
 
@@ -42,8 +55,12 @@ def _broadcasts(shape: tuple, target: tuple) -> bool:
 
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str,
-                   n_rot: int) -> torch.Tensor:
-    """The meaning of ``sd.rope_apply.v1`` in plain torch (float32 maths, x's dtype out)."""
+                   n_rot: int, rounding: str = "once") -> torch.Tensor:
+    """The meaning of ``sd.rope_apply.v1`` in plain torch (float32 maths, x's dtype out), or
+    with ``rounding="each_op"`` that of ``sd.rope_apply_rounded.v1`` (each product and the sum
+    rounded to x's dtype)."""
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rope_reference: rounding must be one of {ROUNDINGS}, got {rounding!r}")
     xf = x.float()
     rot, rest = xf[..., :n_rot], xf[..., n_rot:]
     if mode == "interleaved":
@@ -54,7 +71,11 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: 
         rotated = torch.cat([-b, a], dim=-1)
     else:
         raise ValueError(f"sd.rope_apply.v1: mode must be one of {MODES}, got {mode!r}")
-    out = rot * cos.float() + rotated * sin.float()
+    if rounding == "once":
+        out = rot * cos.float() + rotated * sin.float()
+    else:  # the negation in ``rotated`` is exact, and rounding is symmetric
+        t = x.dtype
+        out = (rot * cos.float()).to(t).float() + (rotated * sin.float()).to(t).float()
     return torch.cat([out, rest], dim=-1).to(x.dtype).contiguous()
 
 
@@ -130,6 +151,19 @@ class RopeApply:
         return {"mode": data["mode"], "n_rot": data["n_rot"]}
 
 
+class RopeApplyRounded(RopeApply):
+    """``sd.rope_apply_rounded.v1``: the rotation of ``sd.rope_apply.v1`` with each product and
+    the sum rounded to x's dtype (module docstring); the same inputs, attributes and checks."""
+
+    name = "sd.rope_apply_rounded.v1"
+
+    def execute(self, ctx, node, state, inputs, out, workspace) -> None:
+        """Reference execution (the op's native kernel on any device)."""
+        x, cos, sin = inputs
+        out.copy_(rope_reference(x, cos, sin, node.params["mode"], node.params["n_rot"],
+                                 "each_op"))
+
+
 class RopeTables:
     """``sd.rope_tables.v1(freqs) {part}``: the cos (``part="cos"``) or sin (``"sin"``) table of
     ``sd.rope_apply.v1`` (interleaved) from complex frequencies ``freqs`` (complex64,
@@ -193,7 +227,9 @@ class RopeIdiom:
     #   =>  sd.rope_apply.v1(x, C, S) {mode=interleaved, n_rot=D}, C and S each value of c
     #       and s repeated twice (unsqueeze, expand, clone, view: input-free tables fold into
     #       constants); exact: x1 * c - x2 * s is x1 * c + (-x2) * s and the sum of the odd
-    #       features is the op's sum with its terms swapped, both exact in IEEE arithmetic
+    #       features is the op's sum with its terms swapped, both exact in IEEE arithmetic.
+    #       In bf16/fp16 each product and the sum rounds to that dtype: the chain becomes
+    #       sd.rope_apply_rounded.v1, which rounds where the chain does
 
     Matched on dataflow; every intermediate must be read only inside the idiom and not be a
     graph output.  The output must have x's shape and dtype (no broadcast or promotion hidden
@@ -230,9 +266,11 @@ class RopeIdiom:
             found = self._match_strided(add, users)
             if found is not None:
                 x, c, sn, last = found
+                # a 16-bit chain rounds each product and the sum: the rounded op
+                op = RopeApply if x.meta.dtype == torch.float32 else RopeApplyRounded
                 try:
                     tables = [self._pairs_table(graph, t, last) for t in (c, sn)]
-                    new = fxbackend.op_create(graph, RopeApply.name, [x, *tables],
+                    new = fxbackend.op_create(graph, op.name, [x, *tables],
                                               {"mode": "interleaved",
                                                "n_rot": x.meta.shape[-1]}, after=last)
                 except (ValueError, TypeError, RuntimeError):
@@ -309,7 +347,8 @@ class RopeIdiom:
 
     def _match_strided(self, ss1, users):
         """(x, c, s, last) for Wan's RoPE (see the class doc), ``last`` the second
-        slice_scatter; float32 throughout, every intermediate read inside the idiom only."""
+        slice_scatter; one dtype throughout (float32, bf16 or fp16), every intermediate read
+        inside the idiom only."""
         def scatter(n, start):
             p = n.params
             return n.op == "aten.slice_scatter.default" and len(n.srcs) == 2 and \
@@ -397,8 +436,10 @@ class RopeIdiom:
                     tuple(a.meta.shape) != half or tuple(b.meta.shape) != half:
                 continue  # c or s broadcast x: not a rotation of x
             metas = [getattr(n, "meta", None) for n in (x, c, sn, a, b, ss1, empty)]
-            if not all(isinstance(m, TensorMeta) and m.dtype == torch.float32 for m in metas):
-                continue  # the op's float32 maths is the chain's only in float32
+            if not all(isinstance(m, TensorMeta) for m in metas) or \
+                    len({m.dtype for m in metas}) != 1 or \
+                    xm.dtype not in (torch.float32,) + _HALF:
+                continue  # one dtype throughout: no promotion hidden in the products
             if not c.meta.shape or not sn.meta.shape or c.meta.shape[-1] != d // 2 or \
                     sn.meta.shape[-1] != d // 2:
                 continue
@@ -660,5 +701,6 @@ class ReferenceRmsRope:
 
 
 fxbackend.register_op(RopeApply)
+fxbackend.register_op(RopeApplyRounded)
 fxbackend.register_op(RopeTables)
 fxbackend.register_rewrite(RopeIdiom)

@@ -7,8 +7,9 @@ tests in a pytest process may import Triton first, so the checks run here, in a 
     TRITON_INTERPRET=1 python tests/_rope_interp_check.py < cases.json
 
 stdin: a JSON list of cases ``{"id", "layout", "d", "n_rot", "mode", "dtype", "atol", "rtol",
-"via"}`` (``via``: "launcher" calls ``rope_apply_triton``; "execute" goes through the registry
-kernel's ``prepare`` and ``execute`` on a node built with ``op_create``).  stdout: one JSON line
+"via", "rounding"}`` (``via``: "launcher" calls ``rope_apply_triton``; "execute" goes through the
+registry kernel's ``prepare`` and ``execute`` on a node built with ``op_create``; ``rounding``:
+"once", ``sd.rope_apply.v1``, the default, or "each_op", ``sd.rope_apply_rounded.v1``).  stdout: one JSON line
 per case ``{"id", "ok", "msg", "max_abs_err"}``.
 
 It also holds what tests/test_rope_cuda.py and tests/test_rms_rope_cuda.py (and its checker,
@@ -123,16 +124,17 @@ def run_case(case: dict) -> dict:
 
     dtype = getattr(torch, case["dtype"])
     mode, n_rot = case["mode"], case["n_rot"]
+    rounding = case.get("rounding", "once")
     x, cos, sin = build(case["layout"], case["d"], n_rot, dtype, torch)
     x_before = x.clone()
     out = torch.full(x.shape, float("nan"), dtype=dtype)
     if case.get("via", "launcher") == "execute":
-        from fxbackend.cuda_kernels.rope import RopeApplyCUDA
-        execute_once(RopeApplyCUDA(), "sd.rope_apply.v1", [x, cos, sin],
-                     {"mode": mode, "n_rot": n_rot}, out)
+        from fxbackend.cuda_kernels.rope import RopeApplyCUDA, RopeApplyRoundedCUDA
+        kernel = RopeApplyRoundedCUDA() if rounding == "each_op" else RopeApplyCUDA()
+        execute_once(kernel, kernel.op, [x, cos, sin], {"mode": mode, "n_rot": n_rot}, out)
     else:
-        assert rope_apply_triton(x, cos, sin, mode, n_rot, out) is out
-    want = rope_reference(x, cos, sin, mode, n_rot)
+        assert rope_apply_triton(x, cos, sin, mode, n_rot, out, rounding) is out
+    want = rope_reference(x, cos, sin, mode, n_rot, rounding)
     err = (out.float() - want.float()).abs().max().item()
     torch.testing.assert_close(out, want, atol=case["atol"], rtol=case["rtol"])
     assert torch.equal(out[..., n_rot:], x[..., n_rot:]), "features >= n_rot are not copied exactly"

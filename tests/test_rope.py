@@ -49,12 +49,13 @@ def _view(g, src, overload, *args):
                                target=overload, tensor_layout=(("self", True),), view_of=src))
 
 
-def _run_rope(x, cos, sin, mode, n_rot):
-    """One ``sd.rope_apply.v1`` node on inputs with exactly these layouts; (result, steps)."""
+def _run_rope(x, cos, sin, mode, n_rot, op=OP):
+    """One ``op`` node (``sd.rope_apply.v1`` or its rounded form) on inputs with exactly these
+    layouts; (result, steps)."""
     from fxbackend import Graph
     g = Graph()
     xs = [_input(g, t) for t in (x, cos, sin)]
-    set_outputs(g, fxbackend.op_create(g, OP, xs, {"mode": mode, "n_rot": n_rot}))
+    set_outputs(g, fxbackend.op_create(g, op, xs, {"mode": mode, "n_rot": n_rot}))
     fxbackend.reset_stats()
     (out,) = compiled(g)(x, cos, sin)
     return out, dict(fxbackend.stats()["steps_by_kernel"])
@@ -213,6 +214,78 @@ def test_cpu_kernel_is_bit_exact(dtype):
         out, _ = _run_rope(x, cos, sin, mode, x.shape[-1])
         want = rope_reference(x, cos, sin, mode, x.shape[-1])
         assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)), mode
+
+
+# -- sd.rope_apply_rounded.v1: each product rounded to x's dtype ----------------------------------
+
+ROUNDED = "sd.rope_apply_rounded.v1"
+
+
+def _chain_16bit(x, cos, sin, mode, n_rot):
+    """The rotation as torch ops in x's dtype (each product and the sum rounded), the meaning of
+    the rounded op: x * cos + rotate(x) * sin on the first n_rot features."""
+    rot, rest = x[..., :n_rot], x[..., n_rot:]
+    if mode == "interleaved":
+        a, b = rot.unflatten(-1, (-1, 2)).unbind(-1)
+        rotated = torch.stack([-b, a], dim=-1).flatten(-2)
+    else:
+        a, b = rot.chunk(2, dim=-1)
+        rotated = torch.cat([-b, a], dim=-1)
+    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("mode", ["interleaved", "split_half"])
+@pytest.mark.parametrize("D, n_rot", [(6, 6), (10, 4), (40, 40)])
+@pytest.mark.parametrize("kind", ["bhsd", "bshd", "qkv_slice", "per_batch_strided_cos"])
+def test_rounded_op_is_the_chain_in_x_dtype_bit_for_bit(dtype, mode, D, n_rot, kind):
+    """Tables in x's dtype, as Wan's are: the CPU kernel, the reference and torch's ops in that
+    dtype agree in every bit; for float32 the rounded op is sd.rope_apply.v1."""
+    gen = torch.Generator().manual_seed(D * 7 + n_rot)
+    x, cos, sin = _layout(kind, D, n_rot, dtype, gen)
+    cos, sin = cos.to(dtype), sin.to(dtype)
+    out, steps = _run_rope(x, cos, sin, mode, n_rot, ROUNDED)
+    assert steps == {"rope_apply_rounded_cpu": 1}
+    want = _chain_16bit(x, cos, sin, mode, n_rot)
+    assert torch.equal(rope_reference(x, cos, sin, mode, n_rot, "each_op"), want)
+    assert torch.equal(out, want)
+    if dtype == torch.float32:
+        assert torch.equal(out, rope_reference(x, cos, sin, mode, n_rot))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rounded_op_over_every_16bit_pattern(dtype):
+    """Every finite bit pattern of x against float32-valued 16-bit tables, subnormal products
+    included: the kernel's roundings are torch's."""
+    gen = torch.Generator().manual_seed(3)
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    x = bits[torch.isfinite(bits.float())]
+    x = x[: x.numel() // 64 * 64].reshape(-1, 4, 16)
+    cos, sin = (t.to(dtype) for t in _freqs((4, 16), 16, gen=gen))
+    cos[0, :2] = torch.finfo(dtype).tiny
+    for mode in ("interleaved", "split_half"):
+        out, _ = _run_rope(x, cos, sin, mode, 16, ROUNDED)
+        want = _chain_16bit(x, cos, sin, mode, 16)
+        assert torch.equal(out.view(torch.int16), want.view(torch.int16)), mode
+
+
+def test_rounded_op_differs_from_the_single_rounding_in_16bit():
+    """The two ops are different functions in bf16 (why the rounded one exists)."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 32, generator=gen).to(torch.bfloat16)
+    cos, sin = (t.to(torch.bfloat16) for t in _freqs((64, 32), 32, gen=gen))
+    once, _ = _run_rope(x, cos, sin, "interleaved", 32)
+    each, _ = _run_rope(x, cos, sin, "interleaved", 32, ROUNDED)
+    assert not torch.equal(once, each)
+
+
+def test_rounded_launcher_rejects_an_unknown_rounding():
+    x = torch.zeros(4, 8)
+    with pytest.raises(ValueError, match="rounding"):
+        cpu_rope.rope_apply_cpu(x, x, x, "interleaved", 8, rounding="twice")
+    with pytest.raises(ValueError, match="rounding"):
+        rope_reference(x, x, x, "interleaved", 8, rounding="twice")
 
 
 def test_a_flux_q_from_fused_qkv_through_view_nodes():

@@ -61,6 +61,16 @@ def _interp_cases() -> list:
             cases.append({"id": f"{layout}-{mode}-partial-float32-execute", "layout": layout,
                           "d": 10, "n_rot": 6, "mode": mode, "dtype": "float32", "atol": atol,
                           "rtol": rtol, "via": "execute"})
+    # sd.rope_apply_rounded.v1 (each product rounded to x's dtype): bit for bit, 16-bit tables
+    # and float32 ones, through the launcher and the registry kernel
+    for layout in ("bhsd_cos_s", "qkv_slice_bshd", "cos_strided_f32"):
+        for mode in MODES:
+            for dtype in ("bfloat16", "float16"):
+                for via in ("launcher", "execute"):
+                    cases.append({"id": f"{layout}-{mode}-partial-{dtype}-rounded-{via}",
+                                  "layout": layout, "d": 10, "n_rot": 6, "mode": mode,
+                                  "dtype": dtype, "atol": 0.0, "rtol": 0.0, "via": via,
+                                  "rounding": "each_op"})
     return cases
 
 
@@ -261,16 +271,19 @@ def test_compile_is_a_no_op_off_cuda():
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiled mode only")
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.float32, torch.float32, torch.bfloat16),
-                                    (torch.float32,) * 4, (torch.float16,) * 4],
-                         ids=["bf16-f32tables", "fp32", "fp16"])
-def test_the_kernel_compiles_for_sm90_without_a_gpu(mode, dtypes):
+@pytest.mark.parametrize("dtypes,each_op", [
+    ((torch.bfloat16, torch.float32, torch.float32, torch.bfloat16), False),
+    ((torch.float32,) * 4, False), ((torch.float16,) * 4, False),
+    ((torch.bfloat16,) * 4, True), ((torch.float16,) * 4, True)],
+    ids=["bf16-f32tables", "fp32", "fp16", "bf16-rounded", "fp16-rounded"])
+def test_the_kernel_compiles_for_sm90_without_a_gpu(mode, dtypes, each_op):
     """Catches what the interpreter does not check (types, constexpr handling, lowering)."""
     x = torch.empty(2, 7, 3, 128).transpose(1, 2)  # strided rows: three leading dims
     p = cuda_rope._plan_of_tensors(x, torch.empty(7, 128), torch.empty(7, 128), mode, 128)
     ck = interp.aot_compile(cuda_rope._kernel(), dtypes, p.args,
                             {"INTERLEAVED": p.interleaved, "BLOCK_R": p.block_r,
-                             "BLOCK_D": p.block_d}, {"num_warps": cuda_rope.NUM_WARPS})
+                             "BLOCK_D": p.block_d, "EACH_OP": each_op},
+                            {"num_warps": cuda_rope.NUM_WARPS})
     assert ck.asm.get("cubin"), "no cubin"
 
 
@@ -364,3 +377,29 @@ def test_cuda_compile_warms_the_kernel_then_runs():
     k.execute(fxbackend.ExecContext(x.device), n, state, [x, cos, sin], out, None)
     torch.testing.assert_close(out, rope_reference(x, cos, sin, mode, n_rot), atol=1e-3,
                                rtol=1e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("registry_guard")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cuda_rounded_op_is_the_16bit_chain_bit_for_bit(dtype):
+    """``sd.rope_apply_rounded.v1`` at Wan's size ([1, 4096, 12, 128], 16-bit tables) through a
+    plan: the same bits as torch's 16-bit ops on the GPU (x1 * c - x2 * s, x1 * s + x2 * c)."""
+    g_ = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, 4096, 12, 128, device="cuda", generator=g_).to(dtype)
+    ang = torch.rand(1, 4096, 1, 64, device="cuda", generator=g_) * 6.28
+    c, s = ang.cos().to(dtype), ang.sin().to(dtype)
+    cos, sin = (t.unsqueeze(-1).expand(1, 4096, 1, 64, 2).reshape(1, 4096, 1, 128)
+                for t in (c, s))
+    g = Graph()
+    srcs = [g.append(g.new_node("input", meta=TensorMeta.of(t), is_input=True))
+            for t in (x, cos, sin)]
+    set_outputs(g, fxbackend.op_create(g, "sd.rope_apply_rounded.v1", srcs,
+                                       {"mode": "interleaved", "n_rot": 128}))
+    (out,) = compiled(g)(x, cos, sin)
+    assert fxbackend.stats()["steps_by_kernel"].get("rope_apply_rounded_triton") == 1
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    want = torch.empty_like(x)
+    want[..., 0::2] = x1 * c - x2 * s
+    want[..., 1::2] = x1 * s + x2 * c
+    assert torch.equal(out, want)

@@ -14,6 +14,17 @@ def _rope_fn(x, cos, sin):
     return apply_rotary_emb(x, (cos, sin), use_real_unbind_dim=-1, sequence_dim=2) * 2
 
 
+def _assert_one_exact_rope(f, args, kernel):
+    """``torch.compile(f)`` equals ``f`` bit for bit, with one ``rope`` rewrite run by ``kernel``."""
+    with torch.no_grad():
+        out = torch.compile(f, backend="fxbackend")(*args)
+        want = f(*args)
+    assert torch.equal(out, want)
+    stats = fxbackend.stats()
+    assert stats["rewrites_by_rule"] == {"rope": 1}
+    assert stats["steps_by_kernel"][kernel] == 1
+
+
 def _inputs(b=1, h=3, s=5, d=8):
     g = torch.Generator().manual_seed(0)
     return (torch.randn(b, h, s, d, generator=g), torch.randn(s, d, generator=g),
@@ -142,13 +153,7 @@ def test_16bit_rope_with_float_casts_becomes_one_op_and_stays_exact(dtype, unbin
         return apply_rotary_emb(x, (cos, sin), use_real_unbind_dim=unbind_dim, sequence_dim=2) * 2
 
     x, cos, sin = _inputs(s=7, d=10)
-    x = x.to(dtype)
-    with torch.no_grad():
-        out = torch.compile(f, backend="fxbackend")(x, cos, sin)
-    assert torch.equal(out, f(x, cos, sin))
-    s = fxbackend.stats()
-    assert s["rewrites_by_rule"] == {"rope": 1}
-    assert s["steps_by_kernel"]["rope_apply_cpu"] == 1
+    _assert_one_exact_rope(f, (x.to(dtype), cos, sin), "rope_apply_cpu")
 
 
 def test_16bit_rope_kept_in_float32_is_not_rewritten():
@@ -261,12 +266,8 @@ def test_wan_strided_rope_becomes_one_op_and_stays_exact(order):
     def f(x, c, s_):
         return _wan_rope(x, c, s_, order) + 1
 
-    with torch.no_grad():
-        out = torch.compile(f, backend="fxbackend")(x, c, s_)
-    assert torch.equal(out, f(x, c, s_))  # x1*c - x2*s is x1*c + (-x2)*s exactly
-    stats = fxbackend.stats()
-    assert stats["rewrites_by_rule"] == {"rope": 1}
-    assert stats["steps_by_kernel"]["rope_apply_cpu"] == 1
+    # exact: x1*c - x2*s is x1*c + (-x2)*s
+    _assert_one_exact_rope(f, (x, c, s_), "rope_apply_cpu")
     text = fxbackend.explain(f, x, c, s_)
     assert "{mode=interleaved, n_rot=12}" in text and "slice_scatter" not in text
 
@@ -283,9 +284,28 @@ def test_wan_strided_rope_with_unpaired_tables_stays_exact():
     assert fxbackend.stats()["rewrites_by_rule"] == {"rope": 1}
 
 
-@pytest.mark.parametrize("case", ["bf16", "half_read_elsewhere", "sum_not_rotation"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("order", ["wan", "swapped"])
+def test_wan_strided_rope_in_16bit_becomes_the_rounded_op_bit_for_bit(dtype, order):
+    """x and tables in one 16-bit dtype (Wan run in bf16): each product and the sum round to
+    it, so the chain is sd.rope_apply_rounded.v1 and the result keeps every bit."""
+    x, c, s_ = _wan_inputs(dtype=dtype)
+    c, s_ = c.to(dtype), s_.to(dtype)
+
+    def f(x, c, s_):
+        return _wan_rope(x, c, s_, order) * 2
+
+    _assert_one_exact_rope(f, (x, c, s_), "rope_apply_rounded_cpu")
+    text = fxbackend.explain(f, x, c, s_)
+    assert "sd.rope_apply_rounded.v1" in text and "slice_scatter" not in text
+
+
+@pytest.mark.parametrize("case", ["bf16_x_float32_tables", "half_read_elsewhere",
+                                  "sum_not_rotation"])
 def test_wan_strided_rope_declines(case):
-    x, c, s_ = _wan_inputs(dtype=torch.bfloat16 if case == "bf16" else torch.float32)
+    # bf16 x with float32 tables: the products promote to float32 and the writes round back,
+    # which is neither op's rounding
+    x, c, s_ = _wan_inputs(dtype=torch.bfloat16 if case.startswith("bf16") else torch.float32)
 
     def f(x, c, s_):
         if case == "half_read_elsewhere":
