@@ -68,7 +68,7 @@ _jit_lock = threading.Lock()
 #: the ``@triton.jit`` helpers below, shared with the kernels of ``rmsnorm.py`` and
 #: ``rms_rope.py`` (which call them as ``rope.<name>``): plain functions until the first
 #: :func:`lazy_kernel` getter call replaces each, in this module, with its jitted form
-_HELPERS = ("_lead_index", "_lead_offset", "_rope_partner", "_round_as")
+_HELPERS = ("_lead_index", "_lead_offset", "_rope_partner")
 
 
 #: (module name, helper name) of every ``@triton.jit`` helper :func:`lazy_kernel` jitted
@@ -141,19 +141,6 @@ def _rope_partner(f, n_rot, INTERLEAVED: tl.constexpr):
     return partner, sign
 
 
-def _round_as(y, like_ptr):
-    """float32 ``y`` rounded to the element type of ``like_ptr`` (to nearest even, NaN kept)
-    and back to float32.  bf16 rounds with integer operations rather than a conversion:
-    Triton's interpreter converts float32 to bf16 by truncation, so this is the one form that
-    gives the GPU's bits in both (a value rounded so converts exactly either way)."""
-    if like_ptr.dtype.element_ty == tl.bfloat16:
-        u = y.to(tl.uint32, bitcast=True)
-        r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
-        return tl.where(y != y, y, r.to(tl.float32, bitcast=True))
-    else:
-        return y.to(like_ptr.dtype.element_ty).to(tl.float32)
-
-
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, D, n_rot,
                  size1, size2, size3,
                  xs0, xs1, xs2, xs3, cs0, cs1, cs2, cs3, ss0, ss1, ss2, ss3,
@@ -176,9 +163,10 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, D, n_rot,
     xp = tl.load(x_base + partner[None, :], mask=m_rot, other=0.0).to(tl.float32)
     c = tl.load(cos_ptr + c_row[:, None] + f[None, :] * cos_sf, mask=m_rot, other=0.0)
     s = tl.load(sin_ptr + s_row[:, None] + f[None, :] * sin_sf, mask=m_rot, other=0.0)
-    if EACH_OP:  # sd.rope_apply_rounded.v1: each product and the sum rounded to out's dtype
-        y = _round_as(_round_as(x * c.to(tl.float32), out_ptr) +
-                      _round_as(sign[None, :] * xp * s.to(tl.float32), out_ptr), out_ptr)
+    if EACH_OP:  # sd.rope_apply_rounded.v1: each product rounded to out's dtype (the sum in
+        t = out_ptr.dtype.element_ty  # the store)
+        y = (x * c.to(tl.float32)).to(t).to(tl.float32) + \
+            (sign[None, :] * xp * s.to(tl.float32)).to(t).to(tl.float32)
     else:
         y = x * c.to(tl.float32) + sign[None, :] * xp * s.to(tl.float32)
     y = tl.where(rot[None, :], y, x)
