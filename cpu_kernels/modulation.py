@@ -2,8 +2,10 @@
 (``patterns/modulation.py``) in one pass, registered at the end as the kernel of the
 ``modulation`` fusion rule for "cpu" (:class:`ModulationCPU`).
 
-Maths (per row of x viewed as ``[rows, C]``; float32; ``round`` = round to nearest even to x's
-dtype T, the identity for float32)::
+Maths (per row of x viewed as ``[rows, C]``; float32; ``round`` = round to nearest even to the
+chain's dtype T, the identity for float32; T is the scale's and shift's dtype, x's unless a
+16-bit x was widened with ``x.float()`` in the step; the last ``round`` is to out's dtype, T's
+unless the float32 result is narrowed to bf16/fp16 in the step)::
 
     mean = sum(x) / C                              LayerNorm (rms: mean = 0)
     var  = sum((x - mean)^2) / C                   biased; rms: mean(x^2)
@@ -121,12 +123,13 @@ def _row_stats(xv, d, is_rms, eps):
     return mean, r
 
 
-def _modulate(x, v, mean, r, sv, hv, has_add, c):
-    """One output value before its final rounding (module docstring); ``x`` gives T."""
-    n = _round_as(x, (v - mean) * r)
+def _modulate(t, v, mean, r, sv, hv, has_add, c):
+    """One output value before its final rounding (module docstring); the array ``t`` gives
+    the dtype T the chain rounds to (the scale's: x's unless x was widened to float32)."""
+    n = _round_as(t, (v - mean) * r)
     if has_add:
-        sv = _round_as(x, sv + c)
-    return _round_as(x, n * sv) + hv
+        sv = _round_as(t, sv + c)
+    return _round_as(t, n * sv) + hv
 
 
 def _modulation_kernel(x, s, h, out, bt, d, xfs, sfs, hfs, eps, is_rms, has_add, c, chunk):
@@ -150,11 +153,11 @@ def _modulation_kernel(x, s, h, out, bt, d, xfs, sfs, hfs, eps, is_rms, has_add,
                 sr = s[so:so + d]
                 hr = h[ho:ho + d]
                 for e in range(d):
-                    _store(orow, e, _modulate(x, xv[e], mean, r, _load(sr, e), _load(hr, e),
+                    _store(orow, e, _modulate(s, xv[e], mean, r, _load(sr, e), _load(hr, e),
                                               has_add, c))
             else:
                 for e in range(d):
-                    _store(orow, e, _modulate(x, xv[e], mean, r, _load(s, so + e * sfs),
+                    _store(orow, e, _modulate(s, xv[e], mean, r, _load(s, so + e * sfs),
                                               _load(h, ho + e * hfs), has_add, c))
 
 
@@ -192,16 +195,20 @@ def _rows(shape, xs, ss, hs) -> _Rows:
 def why_not(x: Any, scale: Any, shift: Any, out: Any, norm: Any) -> str | None:
     """None when the kernel computes ``modulation_reference`` for tensors with these metadata
     (``scale``/``shift`` expanded to x's shape; ``out`` the output), else a short reason.  Never
-    raises.  Handled: float32/bf16/fp16 on the CPU, one dtype for all, any strides of x, scale
+    raises.  Handled: float32/bf16/fp16 on the CPU, one dtype for all or (a widened x, a
+    narrowed result) bf16/fp16 x or out around float32 scale and shift, any strides of x, scale
     and shift, a contiguous out of x's shape, at least one feature, norm ``layer``/``rms``."""
     try:
         metas = (x, scale, shift, out)
         why = _why_not_metas(metas)
         if why is not None:
             return why
-        if x.dtype not in _NP_OF or any(m.dtype != x.dtype for m in metas):
+        t = scale.dtype
+        if any(m.dtype not in _NP_OF for m in metas) or shift.dtype != t or \
+                (t != torch.float32 and (x.dtype != t or out.dtype != t)):
             return "dtypes " + ", ".join(str(m.dtype) for m in metas) + \
-                " (one of float32, bfloat16, float16 for all)"
+                " (one of float32, bfloat16, float16 for all, or 16-bit x and out around" \
+                " float32 scale and shift)"
         if norm not in NORMS:
             return f"norm {norm!r} (one of {NORMS})"
         if not x.shape or x.shape[-1] < 1:
@@ -237,9 +244,11 @@ def modulation_cpu(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
                    out: torch.Tensor | None = None, *, norm: str = "layer", eps: float = 1e-6,
                    add_c: float | None = 1.0) -> torch.Tensor:
     """``modulation_reference(x, scale, shift, eps, norm, add_c)`` into ``out`` (allocated when
-    None; else a contiguous CPU tensor of x's shape and dtype not overlapping the inputs) with
-    the numba kernel.  ``scale``/``shift`` broadcast to x.  Raises ValueError for inputs the
-    kernel does not handle (see :func:`why_not`)."""
+    None; else a contiguous CPU tensor of x's shape not overlapping the inputs, of x's dtype or,
+    around float32 scale and shift, bf16/fp16: the float32 result rounded once) with the numba
+    kernel.  ``scale``/``shift`` broadcast to x; a bf16/fp16 x with float32 scale and shift is
+    widened exactly (``x.float()``).  Raises ValueError for inputs the kernel does not handle
+    (see :func:`why_not`)."""
     for label, t in (("x", x), ("scale", scale), ("shift", shift)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"modulation_cpu: {label} must be a tensor, got {type(t).__name__}")
@@ -250,6 +259,8 @@ def modulation_cpu(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype)
     TM = fxbackend.TensorMeta.of
+    if out.shape != x.shape:
+        raise ValueError(f"modulation_cpu: out has shape {tuple(out.shape)}, x {tuple(x.shape)}")
     why = why_not(TM(x), TM(scale), TM(shift), TM(out), norm)
     if why is None and (not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0):
         why = f"eps {eps!r}"
@@ -260,14 +271,18 @@ def modulation_cpu(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
     return out
 
 
-def compile_kernels(dtype: torch.dtype) -> None:
-    """Compile (or load from the disk cache) the kernel for ``dtype`` (every variant: norm,
+def compile_kernels(dtype: torch.dtype, scale_dtype: torch.dtype | None = None,
+                    out_dtype: torch.dtype | None = None) -> None:
+    """Compile (or load from the disk cache) the kernel for x of ``dtype``, scale and shift of
+    ``scale_dtype`` and out of ``out_dtype`` (both default to ``dtype``; every variant: norm,
     ``c + scale`` and strides are run-time arguments), by a call with no rows on exactly the
     types a launch passes.  Thread-safe."""
     fn = _jit()
     a = np.zeros(0, _NP_OF[dtype])
+    s = np.zeros(0, _NP_OF[scale_dtype or dtype])
+    o = np.zeros(0, _NP_OF[out_dtype or dtype])
     with _compile_lock:  # see rope's compile_kernels
-        fn(a, a, a, a, np.zeros((1, 4), np.int64), 1, 1, 1, 1, np.float32(1e-6), False, True,
+        fn(a, s, s, o, np.zeros((1, 4), np.int64), 1, 1, 1, 1, np.float32(1e-6), False, True,
            np.float32(1.0), 1)
 
 
@@ -285,7 +300,7 @@ class ModulationCPU:
         return why_not(x, scale, shift, out, norm)
 
     def compile(self, x, scale, shift, out, norm, has_add):
-        compile_kernels(x.dtype)
+        compile_kernels(x.dtype, scale.dtype, out.dtype)
 
     def run(self, x, scale, shift, out, *, norm, eps, add_c):
         key = (tuple(x.shape), x.stride(), scale.stride(), shift.stride())

@@ -2,7 +2,9 @@
 (``patterns/modulation.py``), registered at the end as the kernel of the ``modulation`` fusion
 rule for "cuda" (:class:`ModulationCUDA`).
 
-Maths (per row of x, C features; float32 arithmetic; ``round`` = to x's dtype T, nearest even)::
+Maths (per row of x, C features; float32 arithmetic; ``round`` = to T, nearest even: the scale's
+dtype, x's unless a 16-bit x is widened in the step; the last one to out's dtype, T's unless
+the float32 result is narrowed to bf16/fp16 in the step)::
 
     mean = sum(x) / C                           LayerNorm (rms: mean = 0)
     var  = sum((x - mean)^2) / C                biased (rms: mean(x^2))
@@ -64,10 +66,11 @@ def _modulation_kernel(x_ptr, s_ptr, h_ptr, out_ptr, n_rows, D, size1, size2, si
 
     f = tl.arange(0, BLOCK_D)
     m = row_ok[:, None] & (f < D)[None, :]
-    t = out_ptr.dtype.element_ty
+    # the chain rounds to the scale's dtype (x's, unless x was widened in the step); the store
+    # rounds to out's (the scale's, unless the float32 result is narrowed in the step)
     v = _modulated(x_ptr, s_ptr, h_ptr, x_row, s_row, h_row, f, m, D, x_sf, s_sf, h_sf, eps, c,
-                   t, IS_RMS, HAS_ADD)
-    tl.store(out_ptr + rows[:, None] * D + f[None, :], v.to(t), mask=m)
+                   s_ptr.dtype.element_ty, IS_RMS, HAS_ADD)
+    tl.store(out_ptr + rows[:, None] * D + f[None, :], v.to(out_ptr.dtype.element_ty), mask=m)
 
 
 def _modulated(x_ptr, s_ptr, h_ptr, x_row, s_row, h_row, f, m, D, x_sf, s_sf, h_sf, eps, c,
@@ -140,6 +143,17 @@ def _plan(shape: tuple, x_stride: tuple, s_stride: tuple, h_stride: tuple) -> _L
     return _Launch(grid, args, block_r, block_d, num_warps(block_r, block_d))
 
 
+def _why_dtypes(x, scale, shift, out) -> str | None:
+    """One of float32/bf16/fp16 for all, or a bf16/fp16 x (widened in the step) and out
+    (narrowed) around float32 scale and shift; else the reason."""
+    if any(d not in DTYPES for d in (x, scale, shift, out)) or shift != scale or \
+            (scale != torch.float32 and (x != scale or out != scale)):
+        return "dtypes " + ", ".join(str(d) for d in (x, scale, shift, out)) + \
+            " (one of float32, bfloat16, float16 for all, or 16-bit x and out around float32" \
+            " scale and shift)"
+    return None
+
+
 def why_not(x: Any, scale: Any, shift: Any, out: Any, norm: Any) -> str | None:
     """None when :func:`modulation_triton` takes tensors with these metadata (``scale``/``shift``
     expanded to x's shape), else a short reason.  Metadata only; never raises."""
@@ -149,9 +163,9 @@ def why_not(x: Any, scale: Any, shift: Any, out: Any, norm: Any) -> str | None:
             return "inputs are not tensors"
         if x.device.type != "cuda" or any(m.device != x.device for m in metas):
             return "not on one CUDA device"
-        if x.dtype not in DTYPES or any(m.dtype != x.dtype for m in metas):
-            return "dtypes " + ", ".join(str(m.dtype) for m in metas) + \
-                " (one of float32, bfloat16, float16 for all)"
+        why = _why_dtypes(x.dtype, scale.dtype, shift.dtype, out.dtype)
+        if why is not None:
+            return why
         if norm not in NORMS:
             return f"norm {norm!r} (one of {NORMS})"
         if tuple(out.shape) != tuple(x.shape) or \
@@ -179,26 +193,27 @@ def modulation_triton(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
                       out: torch.Tensor | None = None, *, norm: str = "layer",
                       eps: float = 1e-6, add_c: float | None = 1.0) -> torch.Tensor:
     """``modulation_reference(x, scale, shift, eps, norm, add_c)`` into ``out`` (allocated when
-    None; else contiguous, x's shape and dtype, not overlapping the inputs) with the Triton
-    kernel.  ``scale``/``shift`` broadcast to x.  One CUDA device (its current stream), or the CPU
+    None; else contiguous, x's shape, not overlapping the inputs; x's dtype, or bf16/fp16 around
+    float32 scale and shift: the float32 result rounded once; a bf16/fp16 x with float32 scale
+    and shift is widened exactly) with the Triton kernel.  ``scale``/``shift`` broadcast to x.  One CUDA device (its current stream), or the CPU
     under ``TRITON_INTERPRET=1``.  Raises ValueError for arguments the kernel does not take."""
     for label, t in (("x", x), ("scale", scale), ("shift", shift)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"modulation_triton: {label} is not a tensor")
-        if t.dtype != x.dtype or t.device != x.device or x.dtype not in DTYPES:
-            raise ValueError(f"modulation_triton: {label} is {t.dtype} on {t.device}; all "
-                             f"inputs must share one of {[str(d) for d in DTYPES]} and x's "
-                             f"device")
+        if t.device != x.device:
+            raise ValueError(f"modulation_triton: {label} is on {t.device}, x on {x.device}")
     try:
         scale, shift = scale.expand(x.shape), shift.expand(x.shape)
     except RuntimeError as e:
         raise ValueError(f"modulation_triton: scale/shift do not broadcast to x: {e}") from None
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    elif out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous() or \
-            out.device != x.device:
+    elif out.shape != x.shape or not out.is_contiguous() or out.device != x.device:
         raise ValueError(f"modulation_triton: out must be contiguous on {x.device} with x's "
-                         f"shape {tuple(x.shape)} and dtype {x.dtype}")
+                         f"shape {tuple(x.shape)}")
+    why = _why_dtypes(x.dtype, scale.dtype, shift.dtype, out.dtype)
+    if why is not None:
+        raise ValueError(f"modulation_triton: {why}")
     if norm not in NORMS:
         raise ValueError(f"modulation_triton: norm must be one of {NORMS}, got {norm!r}")
     if not isinstance(eps, (int, float)) or not eps >= 0:
@@ -230,7 +245,8 @@ class ModulationCUDA:
         p = _plan(tuple(x.shape), tuple(x.stride), tuple(scale.stride), tuple(shift.stride))
         if p.grid[0] == 0:
             return
-        _warmup_on(x.device, _kernel, (x.dtype, x.dtype, x.dtype, x.dtype, *p.args, 1e-6, 1.0),
+        _warmup_on(x.device, _kernel, (x.dtype, scale.dtype, shift.dtype, out.dtype, *p.args,
+                                       1e-6, 1.0),
                    dict(IS_RMS=norm == "rms", HAS_ADD=has_add, BLOCK_R=p.block_r,
                         BLOCK_D=p.block_d, num_warps=p.num_warps, enable_fp_fusion=False,
                         grid=p.grid))

@@ -11,7 +11,7 @@ from . import services
 from .dynamo import compile_fx_graph, explain, fxbackend_backend
 from .executor import CompiledGraph, ExecContext, Plan
 from .extensions import load_extensions
-from .fusion import graph_delay, register_fusion, unregister_fusion
+from .fusion import check_claim, graph_delay, register_fusion, unregister_fusion
 from .ir import Graph, Node, ScalarMeta, TensorMeta, contiguous_strides
 from .ops import get_op, op_create, register_op, unregister_op
 from .options import Options, parse_options
@@ -28,6 +28,7 @@ __all__ = ["fxbackend_backend", "compile_fx_graph", "explain", "CompiledGraph", 
            "Options", "parse_options", "register_op", "unregister_op", "get_op", "op_create",
            "register_kernel", "unregister_kernel", "select_kernel", "supports_op",
            "supports_native_op", "register_fusion", "unregister_fusion", "graph_delay",
+           "check_claim",
            "register_rewrite", "unregister_rewrite", "rewrites", "replace_uses", "load_extensions",
            "services", "stats", "reset_stats", "backend", "warm_up", "export", "save",
            "load", "from_compiled", "record_graphs", "ExportedPlan", "ReplayError"]

@@ -95,7 +95,11 @@ def _is_compute(n: Node) -> bool:
 
 
 def check_claim(graph: Graph, i: int, n: int, users: dict | None = None) -> str | None:
-    """Why claiming nodes ``i..i+n-1`` is illegal, or None when it is legal."""
+    """Why claiming nodes ``i..i+n-1`` of ``graph`` would be illegal, or None when it is legal:
+    the engine's own check of a rule's claim (intermediates read only inside, not outputs,
+    views and in-place writes owned inside, one device).  Public so that a rule can choose
+    between a longer and a shorter claim before answering ``match``; ``users`` is
+    ``graph.users()`` when the caller has it (computed otherwise)."""
     nodes = graph.nodes[i:i + n]
     if n < 1 or len(nodes) != n:
         return f"claims {n} nodes from %{graph.nodes[i].id}, past the end of the graph"

@@ -950,6 +950,7 @@ class ModulationQuantizeFusion(ModulationFusion):
     """
 
     priority = 6
+    casts = False  # the quantize step reads the float result: no widened x, no narrowing cast
 
     def __init__(self, impl) -> None:
         super().__init__(impl)
@@ -984,7 +985,8 @@ class ModulationQuantizeFusion(ModulationFusion):
                 n.srcs != [norm] or n.params.get("index") != 0:
             return None
         return dict(norm=norm, kind="layer", eps=float(eps), x=x, n=n, add_c=None, c=None,
-                    s_src=w, s_op=w, mul=n, shift=b, add=n, nodes=nodes[i:i + 2], inner=[])
+                    s_src=w, s_op=w, mul=n, shift=b, add=n, nodes=nodes[i:i + 2], inner=[],
+                    up=None, down=None, out=n)
 
     def _why_not(self, ch) -> str | None:
         why = super()._why_not(ch)

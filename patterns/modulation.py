@@ -22,8 +22,17 @@ maths in float32 as torch's CPU kernels do)::
     s1  = round_T(s + c)                        when the ``c + scale`` add is part of the step
     out = round_T(round_T(n * s1) + shift)
 
-``round_T`` is the identity for float32.  The norm's statistics are float32 sums in the kernels'
-own order, so results differ from the unfused chain by about one float32 rounding of mean/rstd
+``round_T`` is the identity for float32.
+
+Casts (Wan computes its modulation in float32 around a bf16 stream:
+``(norm(x.float()) * (1 + scale) + shift).type_as(x)``): the step may start with the widening
+``x.float()`` of a bf16/fp16 x (exact: the kernel reads x and widens in registers) and end with
+the cast of the float32 result to bf16/fp16 (one rounding, the cast's), so the float32 copies
+of x and of the result are never written.  Both only around a float32 chain.  The narrowing
+cast joins only when the float32 result has no other reader (the rule asks
+``fxbackend.check_claim`` before claiming it).
+
+The norm's statistics are float32 sums in the kernels' own order, so results differ from the unfused chain by about one float32 rounding of mean/rstd
 (~2e-7 relative; 16-bit outputs then within one unit in the last place).
 
 The ``c + scale`` add joins the step when only the chain reads it: it is computed per element in
@@ -31,9 +40,9 @@ float32 and rounded to T, exactly as ``aten.add`` does, so including it costs no
 saves a launch and a tiny tensor per chain.  When something else reads it, it stays outside and
 the step reads its result as the scale (``add_c`` None).
 
-Legality (``fusion.check_claim``): the claimed range is ``[norm, getitem, (add c), (views of the
-add), mul, add]``; views of storage outside (``unsqueeze(scale_chunk)``, ``unsqueeze(shift)``)
-must stay outside, and ``native_layer_norm``'s mean and rstd outputs must be unread (no getitem 1
+Legality (``fusion.check_claim``): the claimed range is ``[(x.float()), norm, getitem,
+(add c), (views of the add), mul, add, (cast)]``; views of storage outside
+(``unsqueeze(scale_chunk)``, ``unsqueeze(shift)``) must stay outside, and ``native_layer_norm``'s mean and rstd outputs must be unread (no getitem 1
 or 2).  ``optimize`` moves the norm, the ``c + scale`` add and its views together with
 ``graph_delay`` (Flux/SD3 compute the scale/shift views between the norm and the mul).  SD3.5's
 ``AdaLayerNormZeroX`` reads one norm twice (two modulations): the engine declines it.
@@ -49,7 +58,7 @@ import torch
 import fxbackend
 from fxbackend import TensorMeta
 
-from .rmsnorm import RmsNorm, rms_norm_reference
+from .rmsnorm import RmsNorm, is_cast_to, rms_norm_reference
 
 __all__ = ["modulation_reference", "ModulationFusion", "ReferenceModulation", "NORMS",
            "expanded_meta"]
@@ -65,7 +74,14 @@ _RESHAPES = ("aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims",
 def modulation_reference(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float,
                          norm: str = "layer", add_c: float | None = 1.0) -> torch.Tensor:
     """The unfused chain in plain torch: ``norm(x) * (add_c + scale) + shift`` (``scale`` as is
-    when ``add_c`` is None), each op in x's dtype with its own rounding (module docstring)."""
+    when ``add_c`` is None), each op in x's dtype with its own rounding (module docstring).  A
+    bf16/fp16 ``x`` with float32 ``scale`` is widened first (``x.float()``, exact): the chain
+    then runs in float32 (the caller narrows the result if the step does)."""
+    if x.dtype != scale.dtype:
+        if scale.dtype != torch.float32 or x.dtype not in _DTYPES:
+            raise ValueError(f"modulation_reference: x is {x.dtype} and scale {scale.dtype}; "
+                             f"only a bf16/fp16 x around float32 scale and shift is widened")
+        x = x.float()
     if norm == "layer":
         n = torch.native_layer_norm(x, [x.shape[-1]], None, None, eps)[0]
     elif norm == "rms":
@@ -159,9 +175,41 @@ class ModulationFusion:
             return None
         return n.srcs[1] if n.srcs[0] is x else n.srcs[0]
 
+    #: whether chains may start with a widening cast of x and end with a narrowing cast of the
+    #: result (rules extending this one that do not handle them set it False)
+    casts = True
+
+    @staticmethod
+    def _is_widening(n) -> bool:
+        """``n`` is ``x.float()`` of a bf16/fp16 ``x``."""
+        return is_cast_to(n, torch.float32) and n.srcs[0].meta.dtype in _DTYPES[1:]
+
     def _match_at(self, nodes, i):
         """The chain starting at ``nodes[i]`` when its nodes are consecutive, as a dict, else
-        None.  Local: reads only the nodes of the range (the engine checks the uses)."""
+        None: the norm chain (:meth:`_core_at`), with ``casts``, after a widening ``x.float()``
+        (``up``; then ``x`` is the 16-bit tensor) and before a cast of the float32 result to
+        bf16/fp16 (``down``; ``out`` is the chain's last node either way)."""
+        up = None
+        if self.casts and i + 1 < len(nodes) and self._is_widening(nodes[i]) and \
+                nodes[i + 1].srcs[:1] == [nodes[i]]:
+            up, i = nodes[i], i + 1
+        ch = self._core_at(nodes, i)
+        if ch is None:
+            return None
+        k = i + len(ch["nodes"])
+        down = None
+        if self.casts and k < len(nodes) and ch["add"].meta.dtype == torch.float32 and \
+                nodes[k].srcs[:1] == [ch["add"]] and \
+                (is_cast_to(nodes[k], torch.bfloat16) or is_cast_to(nodes[k], torch.float16)):
+            down = nodes[k]
+            k += 1
+        first = i - 1 if up is not None else i
+        return dict(ch, up=up, down=down, x=up.srcs[0] if up is not None else ch["x"],
+                    out=down if down is not None else ch["add"], nodes=nodes[first:k])
+
+    def _core_at(self, nodes, i):
+        """The norm chain starting at ``nodes[i]`` when its nodes are consecutive, as a dict,
+        else None.  Local: reads only the nodes of the range (the engine checks the uses)."""
         norm = nodes[i]
         kind = self._norm_of(norm)
         if kind is None:
@@ -208,29 +256,38 @@ class ModulationFusion:
                     nodes=nodes[i:k + 2], inner=inner)
 
     def _why_not(self, ch) -> str | None:
-        """Declines on dataflow metadata (before the kernel's own ``why_not``)."""
-        x, out = ch["x"].meta, ch["add"].meta
-        metas = [x, ch["s_src"].meta, ch["s_op"].meta, ch["shift"].meta, ch["n"].meta,
-                 ch["mul"].meta, out]
+        """Declines on dataflow metadata (before the kernel's own ``why_not``): the chain's own
+        nodes in one dtype; a widened x and a narrowed result only around float32."""
+        x, out = ch["x"].meta, ch["out"].meta
+        core = [ch["norm"].srcs[0].meta, ch["s_src"].meta, ch["s_op"].meta, ch["shift"].meta,
+                ch["n"].meta, ch["mul"].meta, ch["add"].meta]
+        metas = [x] + core + [out]
         if not all(isinstance(m, TensorMeta) for m in metas):
             return "an operand is not a tensor"
         if any(m.is_symbolic for m in metas):
             return "symbolic metadata"
-        if len({m.dtype for m in metas}) != 1 or x.dtype not in _DTYPES:
+        if len({m.dtype for m in core}) != 1 or core[0].dtype not in _DTYPES:
             return "mixed dtypes or a dtype other than float32/bfloat16/float16 (" + \
-                ", ".join(str(m.dtype).replace("torch.", "") for m in metas) + ")"
+                ", ".join(str(m.dtype).replace("torch.", "") for m in core) + ")"
         if tuple(out.shape) != tuple(x.shape) or tuple(ch["mul"].meta.shape) != tuple(x.shape):
             return f"scale/shift broadcast x {tuple(x.shape)} to {tuple(out.shape)}"
         if not out.is_contiguous:
             return f"the output is not contiguous (strides {tuple(out.stride)})"
         if ch["add_c"] is not None and not _viewable(ch["s_src"].meta, tuple(ch["s_op"].meta.shape)):
             return "the scale's views are not a reshape of its storage"
+        if ch.get("down") is not None and (not out.is_contiguous or
+                                           tuple(out.shape) != tuple(ch["add"].meta.shape)):
+            return "the narrowing cast changes the layout"
         return None
 
     def match(self, graph, i: int):
         ch = self._match_at(graph.nodes, i)
         if ch is None:
             return 0
+        if ch["up"] is not None or ch["down"] is not None:
+            ch = self._legal_casts(graph, i, ch)
+            if ch is None:
+                return 0
         why = self._why_not(ch)
         if why is None:
             x = ch["x"].meta
@@ -241,9 +298,24 @@ class ModulationFusion:
             if s is None or h is None:
                 why = "scale/shift do not broadcast to x"
             else:
-                why = self.impl.why_not(x, s, h, ch["add"].meta, ch["kind"])
+                why = self.impl.why_not(x, s, h, ch["out"].meta, ch["kind"])
                 why = None if why is None else f"{self.impl.name}: {why}"
         return (0, why) if why is not None else len(ch["nodes"])
+
+    @staticmethod
+    def _legal_casts(graph, i: int, ch: dict) -> dict | None:
+        """``ch``, or ``ch`` without its narrowing cast, whichever the engine would accept first
+        (``fxbackend.check_claim``: the float32 result may have other readers); None when
+        neither is legal with the widening cast (the chain is then matched from its norm, at
+        the next index).  Only for chains with a cast, so the uses are computed rarely."""
+        users = graph.users()
+        if fxbackend.check_claim(graph, i, len(ch["nodes"]), users) is None:
+            return ch
+        if ch["down"] is not None:
+            short = dict(ch, down=None, out=ch["add"], nodes=ch["nodes"][:-1])
+            if fxbackend.check_claim(graph, i, len(short["nodes"]), users) is None:
+                return short
+        return None if ch["up"] is not None else ch
 
     def optimize(self, graph) -> None:
         """Make each chain consecutive, in the order norm, getitem, (add c, its views), mul,
@@ -274,6 +346,9 @@ class ModulationFusion:
 
         n = norm
         chain = [norm]
+        src = norm.srcs[0]
+        if self.casts and self._is_widening(src) and only(src) is norm:
+            chain.insert(0, src)
         if norm.op == _LAYER_NORM:
             n = only(norm)
             if n is None or n.op != "getitem" or n.params.get("index") != 0:
@@ -294,7 +369,12 @@ class ModulationFusion:
             v = v.srcs[0]
         if self._is_add_c(v) and only(v) is (inner[0] if inner else mul) and v.srcs[0] is not n:
             chain += [v] + inner
-        return chain + [mul, add]
+        chain += [mul, add]
+        down = only(add)
+        if self.casts and down is not None and add.meta.dtype == torch.float32 and \
+                (is_cast_to(down, torch.bfloat16) or is_cast_to(down, torch.float16)):
+            chain.append(down)
+        return chain
 
     # -- running -----------------------------------------------------------------------------
     def _parts(self, node) -> dict:

@@ -6,7 +6,9 @@ before Triton is imported):
     TRITON_INTERPRET=1 python tests/_modulation_interp_check.py < cases.json
 
 stdin: a JSON list of cases ``{"id", "layout", "d", "dtype", "norm", "add_c", "atol", "rtol",
-"min_exact"}`` (``add_c`` null: no ``c + scale`` in the step; layouts: :func:`build`).
+"min_exact"}`` and optionally ``"x_dtype"``, ``"out_dtype"`` (a 16-bit x widened, a result
+narrowed, around scale and shift of ``dtype``; default ``dtype``) (``add_c`` null: no
+``c + scale`` in the step; layouts: :func:`build`).
 stdout: one JSON line per case ``{"id", "ok", "msg", "max_abs_err", "exact_frac"}``.  bf16
 rounding goes through ``_rms_rope_interp_check.patch_bf16_rounding`` (the interpreter truncates).
 Importing this module imports neither Triton nor fxbackend.
@@ -52,11 +54,13 @@ def run_case(case: dict) -> dict:
     dtype = getattr(torch, case["dtype"])
     g = torch.Generator().manual_seed(zlib.crc32(case["id"].encode()))
     x, s, h = build(case["layout"], case["d"], dtype, g, torch)
+    x = x.to(getattr(torch, case.get("x_dtype", case["dtype"])))  # a widened x
     x_before = x.clone()
-    out = torch.full(x.shape, float("nan"), dtype=dtype)
+    out = torch.full(x.shape, float("nan"), dtype=getattr(torch, case.get("out_dtype",
+                                                                            case["dtype"])))
     got = modulation_triton(x, s, h, out, norm=case["norm"], eps=EPS, add_c=case["add_c"])
     assert got is out
-    want = modulation_reference(x, s, h, EPS, case["norm"], case["add_c"])
+    want = modulation_reference(x, s, h, EPS, case["norm"], case["add_c"]).to(out.dtype)
     return _compare(out, want, x, x_before, case, torch)
 
 

@@ -19,7 +19,8 @@ import zlib
 
 import pytest
 import torch
-from diffusers.models.normalization import AdaLayerNormContinuous, AdaLayerNormZero, RMSNorm
+from diffusers.models.normalization import (AdaLayerNormContinuous, AdaLayerNormZero,
+                                            FP32LayerNorm, RMSNorm)
 
 import fxbackend
 import fxbackend.cpu_kernels.modulation  # noqa: F401  (registers the "cpu" rule)
@@ -74,6 +75,27 @@ def test_cpu_kernel_matches_reference(layout, norm, add_c, d, dtype, atol, rtol,
     assert torch.equal(x, x_before)
 
 
+@pytest.mark.parametrize("x_dtype,out_dtype", [("bfloat16", "bfloat16"), ("float16", "float16"),
+                                               ("bfloat16", "float32"), ("float32", "bfloat16")])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cpu_kernel_widened_x_and_narrowed_out(layout, x_dtype, out_dtype):
+    """Wan's form: a 16-bit x widened in the step, float32 scale and shift, the float32 result
+    narrowed in the step: the float32 chain on x.float(), rounded once to out's dtype."""
+    g = torch.Generator().manual_seed(zlib.crc32(f"{layout}/{x_dtype}/{out_dtype}".encode()))
+    x, s, h = build(layout, 40, torch.float32, g, torch)
+    x = x.to(getattr(torch, x_dtype))
+    out = torch.full(x.shape, float("nan"), dtype=getattr(torch, out_dtype))
+    assert modulation_cpu(x, s, h, out, norm="layer", eps=EPS, add_c=1.0) is out
+    want32 = modulation_reference(x, s, h, EPS, "layer", 1.0)
+    assert want32.dtype == torch.float32
+    assert torch.equal(want32, modulation_reference(x.float(), s, h, EPS, "layer", 1.0))
+    want = want32.to(out.dtype)
+    torch.testing.assert_close(out, want, atol=2e-6 if out_dtype == "float32" else 1.6e-2,
+                               rtol=1e-5 if out_dtype == "float32" else 1e-2)
+    # float32 statistics in another order than torch's: 16-bit results all but never differ
+    assert (out == want).float().mean().item() >= (0.3 if out_dtype == "float32" else 0.99)
+
+
 def test_cpu_kernel_float32_error_at_flux_width():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, 64, 3072, generator=g) * 3 + 1
@@ -89,6 +111,14 @@ def test_cpu_kernel_rejects_what_it_does_not_handle():
         modulation_cpu(x, torch.randn(3, 1, 8), torch.randn(2, 1, 8))
     with pytest.raises(ValueError, match="norm"):
         modulation_cpu(x, torch.randn(2, 1, 8), torch.randn(2, 1, 8), norm="group")
+    # a 16-bit chain is not widened: a bf16 scale with a float32 x, or fp16 out of a bf16 chain
+    bf = torch.randn(2, 1, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="dtypes"):
+        modulation_cpu(x, bf, bf)
+    with pytest.raises(ValueError, match="dtypes"):
+        modulation_cpu(x.bfloat16(), bf, bf, torch.empty(2, 3, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="widened"):
+        modulation_reference(x, bf, bf, EPS)
 
 
 # -- the Triton kernel ------------------------------------------------------------------------
@@ -101,6 +131,13 @@ def _interp_cases():
                 cases.append(dict(id=f"{layout}/{dtype}/{norm}/{add_c}/{d}", layout=layout,
                                   d=d, dtype=dtype, norm=norm, add_c=add_c, atol=atol,
                                   rtol=rtol, min_exact=min_exact))
+        # a widened 16-bit x and a narrowed result around float32 scale and shift (Wan)
+        for x_dtype, out_dtype in (("bfloat16", "bfloat16"), ("float16", "float32")):
+            atol, rtol, min_exact = {t[0]: t[1:] for t in TOL}[out_dtype]
+            cases.append(dict(id=f"{layout}/{x_dtype}-float32-{out_dtype}/layer/1.0/19",
+                              layout=layout, d=19, dtype="float32", x_dtype=x_dtype,
+                              out_dtype=out_dtype, norm="layer", add_c=1.0, atol=atol,
+                              rtol=rtol, min_exact=min_exact))
     return cases
 
 
@@ -141,6 +178,20 @@ def test_triton_kernel_at_flux_size(dtype):
     want = modulation_reference(x, s, h, EPS)
     tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=1e-2)
     torch.testing.assert_close(out, want, **tol)
+
+
+@pytest.mark.cuda
+def test_triton_kernel_widened_and_narrowed_at_wan_size():
+    """Wan 14B's width (5120) at 4096 tokens: bf16 x, float32 scale and shift, bf16 out."""
+    from fxbackend.cuda_kernels.modulation import modulation_triton
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(1, 4096, 5120, generator=g) * 2).bfloat16().cuda()
+    s = (torch.randn(1, 1, 5120, generator=g) * 0.3).cuda()
+    h = torch.randn(1, 1, 5120, generator=g).cuda()
+    out = modulation_triton(x, s, h, torch.empty(x.shape, dtype=torch.bfloat16, device="cuda"))
+    want = modulation_reference(x, s, h, EPS).bfloat16()
+    torch.testing.assert_close(out, want, atol=3e-2, rtol=1e-2)
+    assert (out == want).float().mean().item() >= 0.99
 
 
 # -- the rule -----------------------------------------------------------------------------------
@@ -299,6 +350,55 @@ def test_rule_reports_the_kernels_decline():
             text = fxbackend.explain(_Zero(), x, emb)
     assert "declined modulation_declining on" in text and "no kernel for this" in text
     assert r.impl.calls == []
+
+
+class _WanNorm(torch.nn.Module):
+    """Wan's block: a float32 modulation around a 16-bit stream,
+    ``(norm(x.float()) * (1 + scale) + shift).type_as(x)``; ``keep`` also returns the float32
+    result (then the narrowing cast cannot join the step)."""
+
+    def __init__(self, d=16, keep=False):
+        super().__init__()
+        self.norm = FP32LayerNorm(d, eps=EPS, elementwise_affine=False)
+        self.keep = keep
+
+    def forward(self, x, scale, shift):
+        y = self.norm(x.float()) * (1 + scale) + shift
+        return (y.type_as(x), y * 2) if self.keep else y.type_as(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_widening_and_narrowing_casts_join_the_step(dtype):
+    mod = _WanNorm()
+    x, _ = _inputs(16, t=13, seed=5)
+    x = x.to(dtype)
+    g = torch.Generator().manual_seed(6)
+    s, h = torch.randn(2, 1, 16, generator=g) * 0.3, torch.randn(2, 1, 16, generator=g)
+    with torch.no_grad():
+        eager = mod(x, s, h)
+    fused = _compiled(mod, x, s, h)
+    st = fxbackend.stats()
+    assert st["fusions_by_rule"] == {"modulation": 1}
+    assert st["steps_by_kernel"] == {"modulation": 1}  # no cast left outside
+    assert fused.dtype == dtype
+    torch.testing.assert_close(fused, eager, atol=1.6e-2, rtol=1e-2)
+    assert (fused == eager).float().mean().item() >= 0.99
+
+
+def test_a_narrowing_cast_of_a_result_read_elsewhere_stays_outside():
+    mod = _WanNorm(keep=True)
+    x, _ = _inputs(16, seed=7)
+    x = x.to(torch.bfloat16)
+    s, h = torch.randn(2, 1, 16) * 0.3, torch.randn(2, 1, 16)
+    with torch.no_grad():
+        eager = mod(x, s, h)
+    fused = _compiled(mod, x, s, h)
+    st = fxbackend.stats()
+    assert st["fusions_by_rule"] == {"modulation": 1}
+    # the widening joined, the narrowing cast runs on its own (and the float32 result is kept)
+    assert st["steps_by_kernel"] == {"modulation": 1, "native": 2}
+    torch.testing.assert_close(fused[0], eager[0], atol=1.6e-2, rtol=1e-2)
+    torch.testing.assert_close(fused[1], eager[1], atol=2e-5, rtol=1e-5)
 
 
 def test_half_precision_chain_fuses_within_one_rounding():
