@@ -9,6 +9,11 @@ identity for float32; float32 arithmetic, no FMA contraction: ``fastmath=False``
     g   = round(gate * t)
     out = round(residual + g)
 
+Around a float32 gate the others may each be bf16/fp16 (Wan's float32 gated residual on a
+bf16 stream, the rule's widening and narrowing casts): every load widens exactly, ``t``
+rounds to y's dtype, ``g`` to the gate's (float32), and the store rounds the float32 sum to
+out's dtype once.
+
 with ``y`` standing for ``round(y + bias[c])`` when the fused step moved a float32 addmm's
 bias here (``bias_in_epilogue`` in the rule; the GEMM then runs as ``mm``).  Without a bias the
 kernel adds a row of negative zeros, ``y + -0.0`` being ``y`` for every y (signed zeros and
@@ -143,41 +148,43 @@ def _register_vectors() -> None:
     def lanes(op: int):
         @intrinsic
         def step(typingctx, y, g, r, o, bias, e, scale):
-            """``o[e:e+16] = round(r[e:] + round(g[e:] * t(round(y[e:] + bias[e:]))))``,
-            float32 maths, unfused fmul/fdiv/fadd, each rounded to the arrays' dtype."""
+            """``o[e:e+16] = round_o(r[e:] + round_g(g[e:] * t(round_y(y[e:] + bias[e:]))))``,
+            float32 maths, unfused fmul/fdiv/fadd, each rounded to the dtype of the array
+            named (y's for the bias and the scale, the gate's for the product: the chain's
+            dtype; out's in the store), every load widened from its array's dtype."""
+            kinds = (types.float32, types.int16, types.uint16)
             if not (isinstance(e, types.Integer) and scale == types.float32
-                    and y.dtype in (types.float32, types.int16, types.uint16)
-                    and g.dtype == r.dtype == o.dtype == bias.dtype == y.dtype):
+                    and all(a.dtype in kinds for a in (y, g, r, o)) and bias.dtype == y.dtype):
                 return None
 
             def codegen(context, builder, sig, args):
-                bits = {types.int16: (to_bf16, from_bf16),
-                        types.uint16: (to_f16, from_f16)}.get(sig.args[0].dtype)
-                elem = ir.VectorType(i16 if bits else f32, _LANES)
-                align = 2 if bits else 4
+                def bits(k):  # the conversions of argument k's element type (None: float32)
+                    return {types.int16: (to_bf16, from_bf16),
+                            types.uint16: (to_f16, from_f16)}.get(sig.args[k].dtype)
 
                 def at(k):
+                    elem = ir.VectorType(i16 if bits(k) else f32, _LANES)
                     data = cgutils.create_struct_proxy(sig.args[k])(context, builder,
                                                                     value=args[k]).data
                     return builder.bitcast(builder.gep(data, [args[5]]), elem.as_pointer())
 
                 def load(k):
-                    v = builder.load(at(k), align=align)
-                    return bits[1](builder, builder.zext(v, vi)) if bits else v
+                    v = builder.load(at(k), align=2 if bits(k) else 4)
+                    return bits(k)[1](builder, builder.zext(v, vi)) if bits(k) else v
 
-                def rnd(x):
-                    return bits[1](builder, bits[0](builder, x)) if bits else x
+                def rnd(x, k):
+                    return bits(k)[1](builder, bits(k)[0](builder, x)) if bits(k) else x
 
-                yv, gv, rv = rnd(builder.fadd(load(0), load(4))), load(1), load(2)
+                yv, gv, rv = rnd(builder.fadd(load(0), load(4)), 0), load(1), load(2)
                 if op:
                     sv = ir.Constant(vf, ir.Undefined)
                     for i in range(_LANES):
                         sv = builder.insert_element(sv, args[6], ir.Constant(i32, i))
-                    yv = rnd(builder.fmul(yv, sv) if op == 1 else builder.fdiv(yv, sv))
-                v = builder.fadd(rv, rnd(builder.fmul(gv, yv)))
-                if bits:
-                    v = builder.trunc(bits[0](builder, v), elem)
-                builder.store(v, at(3), align=align)
+                    yv = rnd(builder.fmul(yv, sv) if op == 1 else builder.fdiv(yv, sv), 0)
+                v = builder.fadd(rv, rnd(builder.fmul(gv, yv), 1))
+                if bits(3):
+                    v = builder.trunc(bits(3)[0](builder, v), ir.VectorType(i16, _LANES))
+                builder.store(v, at(3), align=2 if bits(3) else 4)
                 return context.get_dummy_value()
             return types.void(y, g, r, o, bias, e, scale), codegen
         return step
@@ -186,7 +193,8 @@ def _register_vectors() -> None:
 
     @overload(_row_vectors, inline="always", strict=False)
     def _row_vectors_impl(yr, gr, rr, orow, br, c, scale, op):
-        if yr.dtype not in (types.float32, types.int16, types.uint16):
+        if any(a.dtype not in (types.float32, types.int16, types.uint16)
+               for a in (yr, gr, rr, orow)):
             return None
 
         def vectors(yr, gr, rr, orow, br, c, scale, op):
@@ -220,15 +228,15 @@ def _row_unit(yr, gr, rr, orow, br, c, scale, op):
     if op == 0:
         for e in range(e0, c):
             t = _round_as(yr, _load(yr, e) + _load(br, e))
-            _store(orow, e, _load(rr, e) + _round_as(yr, _load(gr, e) * t))
+            _store(orow, e, _load(rr, e) + _round_as(gr, _load(gr, e) * t))
     elif op == 1:
         for e in range(e0, c):
             t = _round_as(yr, _round_as(yr, _load(yr, e) + _load(br, e)) * scale)
-            _store(orow, e, _load(rr, e) + _round_as(yr, _load(gr, e) * t))
+            _store(orow, e, _load(rr, e) + _round_as(gr, _load(gr, e) * t))
     else:
         for e in range(e0, c):
             t = _round_as(yr, _round_as(yr, _load(yr, e) + _load(br, e)) / scale)
-            _store(orow, e, _load(rr, e) + _round_as(yr, _load(gr, e) * t))
+            _store(orow, e, _load(rr, e) + _round_as(gr, _load(gr, e) * t))
 
 
 def _row_strided(yr, gate, res, out, bias, go, ro, oo, gsc, rsc, osc, c, scale, op):
@@ -239,7 +247,7 @@ def _row_strided(yr, gate, res, out, bias, go, ro, oo, gsc, rsc, osc, c, scale, 
             t = _round_as(yr, t * scale)
         elif op == 2:
             t = _round_as(yr, t / scale)
-        g = _round_as(yr, _load(gate, go + e * gsc) * t)
+        g = _round_as(gate, _load(gate, go + e * gsc) * t)
         _store(out, oo + e * osc, _load(res, ro + e * rsc) + g)
 
 
@@ -272,10 +280,11 @@ def _gated_residual_kernel(y, gate, res, out, bias, nb, ns, c, gsb, gss, gsc, rs
 def why_not(y: Any, gate: Any, residual: Any, out: Any) -> str | None:
     """None when the kernel computes the epilogue for tensors with these metadata
     (``fxbackend.TensorMeta``), else a short reason.  Never raises.  Handled: one dtype
-    (float32/bf16/fp16) for all four, all on the CPU, y contiguous, gate and residual
-    broadcastable to y's shape with any non-negative strides, out of y's shape with any
-    non-negative strides, at most two leading dims after merging (``epilogue_why_not``)."""
-    return epilogue_why_not(y, gate, residual, out, "cpu")
+    (float32/bf16/fp16) for all four, or a float32 gate with each of the others any of the
+    three, all on the CPU, y contiguous, gate and residual broadcastable to y's shape with any
+    non-negative strides, out of y's shape with any non-negative strides, at most two leading
+    dims after merging (``epilogue_why_not``)."""
+    return epilogue_why_not(y, gate, residual, out, "cpu", mixed=True)
 
 
 def _threads_rows(lay: EpilogueLayout, threads: int) -> int:
@@ -302,8 +311,8 @@ def _launch(lay: EpilogueLayout, y, gate, res, out, scale_op, scale, bias=None) 
     fn = _jit()
     rows = _threads_rows(lay, _set_threads())
     yf = _flat(y, lay.spans[0])
-    of = yf if out.data_ptr() == y.data_ptr() and out.stride() == y.stride() \
-        else _flat(out, lay.spans[3])
+    of = yf if out.data_ptr() == y.data_ptr() and out.stride() == y.stride() and \
+        out.dtype == y.dtype else _flat(out, lay.spans[3])
     bf = _no_bias(y.dtype, lay.c) if bias is None else _flat(bias, lay.c)
     fn(yf, _flat(gate, lay.spans[1]), _flat(res, lay.spans[2]), of, bf, lay.nb, lay.ns, lay.c,
        *lay.g, *lay.r, *lay.o, np.float32(1.0 if scale is None else scale), _OPS[scale_op],
@@ -358,14 +367,17 @@ def _bias_why_not(bias: Any, y: torch.Tensor) -> str | None:
     return None
 
 
-def compile_kernels(dtype: torch.dtype) -> None:
-    """Compile (or load from the disk cache) the kernel for ``dtype`` (every scale op: a
-    run-time argument) by a call with no rows on exactly the types a launch passes.
-    Thread-safe (plans compile their nodes in parallel)."""
+def compile_kernels(dtype: torch.dtype, gate: torch.dtype | None = None,
+                    residual: torch.dtype | None = None, out: torch.dtype | None = None) -> None:
+    """Compile (or load from the disk cache) the kernel for y of ``dtype`` and gate, residual
+    and out of the dtypes given (default ``dtype``; every scale op: a run-time argument) by a
+    call with no rows on exactly the types a launch passes.  Thread-safe (plans compile their
+    nodes in parallel)."""
     fn = _jit()
-    z = np.zeros(0, _NP_OF[dtype])
+    z = [np.zeros(0, _NP_OF[d or dtype]) for d in (dtype, gate, residual, out)]
     with _compile_lock:  # see rope's compile_kernels
-        fn(z, z, z, z, z, 0, 1, 1, 0, 0, 1, 0, 0, 1, 0, 0, 1, np.float32(1.0), 0, 1)
+        fn(z[0], z[1], z[2], z[3], z[0], 0, 1, 1, 0, 0, 1, 0, 0, 1, 0, 0, 1, np.float32(1.0), 0,
+           1)
 
 
 class GatedResidualCPU:
@@ -381,7 +393,7 @@ class GatedResidualCPU:
         return why_not(y, gate, residual, out)
 
     def compile(self, y, gate, residual, out, scale_op):
-        compile_kernels(y.dtype)
+        compile_kernels(y.dtype, gate.dtype, residual.dtype, out.dtype)
 
     def run(self, y, gate, residual, out, *, scale_op, scale, bias=None):
         _launch(_layout_of(y, gate, residual, out), y, gate, residual, out, scale_op, scale,

@@ -12,6 +12,10 @@ a no-op for float32; float32 arithmetic)::
     g   = round(gate * t)
     out = round(residual + g)
 
+Around a float32 gate, y, the residual and out may each be bf16/fp16 (the rule's widening and
+narrowing casts): loads widen, ``t`` rounds to y's dtype, ``g`` to the gate's, and the store
+rounds the float32 sum to out's dtype.
+
 CUDA's eager ``div`` by a CPU scalar multiplies by the reciprocal (``div_true_kernel_cuda``:
 "this may lose one bit of precision compared to computing the division"), so the fused kernel
 does the same and equals the unfused chain on the GPU bit for bit; it may differ from the CPU's
@@ -67,7 +71,9 @@ def _gated_residual_kernel(y_ptr, g_ptr, r_ptr, o_ptr, n_rows, ns, C,
                 other=0.0).to(tl.float32)
     if HAS_SCALE:
         y = (y * scale).to(t_).to(tl.float32)
-    gy = (g * y).to(t_).to(tl.float32)
+    # rounded to the gate's dtype: the chain's (y's, unless a float32 gate multiplies a
+    # widened 16-bit y)
+    gy = (g * y).to(g_ptr.dtype.element_ty).to(tl.float32)
     tl.store(o_ptr + (b * osb + s * oss)[:, None] + cols[None, :] * osc,
              (r + gy).to(o_ptr.dtype.element_ty), mask=m)
 
@@ -98,10 +104,10 @@ def _scale_value(scale_op, scale) -> float:
 
 def why_not(y: Any, gate: Any, residual: Any, out: Any) -> str | None:
     """None when :func:`gated_residual_triton` takes tensors with these metadata on CUDA; else a
-    short reason.  Metadata only; never raises.  Declines non-CUDA devices, mixed devices or
-    dtypes, dtypes other than float32/bfloat16/float16, and what ``_plan`` (``epilogue_layout``
-    and the grid limit) declines (``epilogue_why_not``)."""
-    return epilogue_why_not(y, gate, residual, out, "cuda", _plan)
+    short reason.  Metadata only; never raises.  Declines non-CUDA devices, mixed devices,
+    dtypes other than float32/bfloat16/float16, mixed dtypes except around a float32 gate, and
+    what ``_plan`` (``epilogue_layout`` and the grid limit) declines (``epilogue_why_not``)."""
+    return epilogue_why_not(y, gate, residual, out, "cuda", _plan, mixed=True)
 
 
 def _plan_of(y, gate, res, out) -> tuple:
@@ -131,9 +137,10 @@ def gated_residual_triton(y: torch.Tensor, gate: torch.Tensor, residual: torch.T
     for name, t in ts:
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"gated_residual_triton: {name} is not a tensor")
-        if t.dtype not in DTYPES or t.dtype != y.dtype:
+        if t.dtype not in DTYPES or (t.dtype != y.dtype and gate.dtype != torch.float32):
             raise ValueError(f"gated_residual_triton: {name} has dtype {t.dtype}; the kernel "
-                             f"takes one of {[str(d) for d in DTYPES]} for all")
+                             f"takes one of {[str(d) for d in DTYPES]} for all, or any of them "
+                             f"around a float32 gate")
         if t.device != y.device:
             raise ValueError(f"gated_residual_triton: {name} is on {t.device}, y on {y.device}")
     if not y.is_contiguous() or out.shape != y.shape:

@@ -18,10 +18,19 @@ unfused ops round it, float32 arithmetic inside each step)::
     g   = round(gate * t)
     out = round(residual + g)
 
+Casts (Wan's blocks on a bf16 stream with a float32 gate:
+``(res.float() + y * gate).type_as(res)`` and ``(res.float() + y.float() * gate).type_as(res)``):
+around a float32 gate multiply and residual add, the chain may widen y (``.float()`` after the
+linear; or the multiply promotes it), take a 16-bit residual (its ``.float()`` joins the range,
+moved just before the add by ``optimize``; or the add promotes it) and end with the cast of the
+float32 result to bf16/fp16.  Widening is exact and the float32 steps round as float32 ops do,
+so the step rounds once, where the cast does: bit for bit the chain.  The narrowing cast joins
+only when the float32 result has no other reader (``match`` asks ``fxbackend.check_claim``).
+
 The fused step runs the GEMM natively (the same ATen op with ``out=``: identical bits) into the
-step's output, then one elementwise epilogue pass over it (a device kernel) that reads y, the
-gate and the residual once and writes out once, where the unfused chain reads and writes the
-[M, N] tensor once per op (two or three times more traffic; four with Flux's/SD3's clone).
+step's output (into workspace when the output has another dtype than y), then one elementwise
+epilogue pass over it (a device kernel) that reads y, the gate and the residual once and writes
+out once, where the unfused chain reads and writes the [M, N] tensor once per op (two or three times more traffic; four with Flux's/SD3's clone).
 The gate and the residual may be strided and broadcast (the gate usually is: a strided chunk of
 the adaLN output, broadcast over tokens).
 
@@ -42,6 +51,7 @@ import fxbackend
 from fxbackend import TensorMeta, contiguous_strides
 
 from .activation import gemm_into, movable_bias
+from .rmsnorm import is_cast_to
 
 __all__ = ["gated_residual_reference", "GatedResidualFusion", "ReferenceGatedResidual",
            "DTYPES", "LINEAR_OPS", "EpilogueLayout", "epilogue_layout", "epilogue_why_not",
@@ -146,22 +156,25 @@ def epilogue_layout(shape: tuple, g_shape: tuple, g_stride: tuple, r_shape: tupl
 
 
 def epilogue_why_not(y: Any, gate: Any, residual: Any, out: Any, device_type: str,
-                     layout=epilogue_layout) -> str | None:
+                     layout=epilogue_layout, mixed: bool = False) -> str | None:
     """The ``why_not`` of both epilogue kernels: None when ``y``, ``gate``, ``residual`` and
-    ``out`` (``TensorMeta``) are on one ``device_type`` device, of one dtype of ``DTYPES``, out
-    of y's shape, and ``layout(shape, g_shape, g_stride, r_shape, r_stride, o_stride)`` (the
-    kernel's launch plan: :func:`epilogue_layout` or one built on it) accepts their layout;
-    else a short reason (a ValueError's message).  Never raises."""
+    ``out`` (``TensorMeta``) are on one ``device_type`` device, of one dtype of ``DTYPES`` (or,
+    with ``mixed``, a float32 gate and any of ``DTYPES`` for the others: float32 arithmetic
+    on widened loads, the store rounding to out's dtype), out of y's shape, and
+    ``layout(shape, g_shape, g_stride, r_shape, r_stride, o_stride)`` (the kernel's launch
+    plan: :func:`epilogue_layout` or one built on it) accepts their layout; else a short
+    reason (a ValueError's message).  Never raises."""
     try:
         for name, m in (("y", y), ("gate", gate), ("residual", residual), ("out", out)):
             if not isinstance(m, TensorMeta):
                 return f"{name} is not a tensor"
             if m.device.type != device_type or m.device != y.device:
                 return f"{name} is on {m.device}, not y's {device_type} device"
-            if m.dtype != y.dtype:
-                return f"{name} has dtype {m.dtype}, y {y.dtype}"
-        if y.dtype not in DTYPES:
-            return f"dtype {y.dtype} (float32, bfloat16 or float16)"
+            if m.dtype not in DTYPES:
+                return f"{name} has dtype {m.dtype} (float32, bfloat16 or float16)"
+            if m.dtype != y.dtype and not (mixed and gate.dtype == torch.float32):
+                return f"{name} has dtype {m.dtype}, y {y.dtype}" + \
+                    (" (mixed only around a float32 gate)" if mixed else "")
         if tuple(out.shape) != tuple(y.shape):
             return f"out shape {tuple(out.shape)} is not y's {tuple(y.shape)}"
         layout(tuple(y.shape), tuple(gate.shape), tuple(gate.stride), tuple(residual.shape),
@@ -220,6 +233,23 @@ def _other(n, prev):
     return n.srcs[1] if n.srcs[0] is prev else n.srcs[0]
 
 
+def _is_widening(n, prev=None) -> bool:
+    """``n`` is ``.float()`` of a bf16/fp16 tensor (of ``prev`` when given), with its shape."""
+    m = _tensor(n)
+    src = n.srcs[0] if n.srcs else None
+    return is_cast_to(n, torch.float32) and (prev is None or src is prev) and \
+        _tensor(src) is not None and src.meta.dtype in DTYPES[1:] and \
+        tuple(m.shape) == tuple(src.meta.shape) and m.is_contiguous == src.meta.is_contiguous
+
+
+def _is_narrowing(n, prev) -> bool:
+    """``n`` casts the float32 ``prev`` to bf16/fp16, keeping its shape and layout."""
+    m, pm = _tensor(n), _tensor(prev)
+    return pm is not None and pm.dtype == torch.float32 and n.srcs[:1] == [prev] and \
+        (is_cast_to(n, torch.bfloat16) or is_cast_to(n, torch.float16)) and \
+        tuple(m.shape) == tuple(pm.shape) and m.is_contiguous and pm.is_contiguous
+
+
 def _is_gate_mul(n, prev) -> bool:
     g = _other(n, prev) if n.op == "aten.mul.Tensor" and not n.params else None
     return g is not None and _tensor(g) is not None and _tensor(n) is not None and \
@@ -265,6 +295,7 @@ class _Parts:
     scale_op: str | None
     scale: float | None
     out_meta: TensorMeta
+    compute: torch.dtype  # the gate multiply's (and residual add's) dtype
 
 
 class GatedResidualFusion:
@@ -282,6 +313,11 @@ class GatedResidualFusion:
     tensor of y's dtype, or None) and computes the epilogue on ``y + bias``.
     ``cpu_kernels/gated_residual.py`` and ``cuda_kernels/gated_residual.py`` register one rule
     each.
+
+    With ``casts`` (module docstring) the chain is
+    ``addmm|mm -> view/clone* -> [.float()] -> mul(gate) -> [residual.float()] -> add(residual)
+    [-> cast to bf16/fp16]`` and the epilogue's operands may have different dtypes around a
+    float32 gate (``why_not`` then gets them as they are).
 
     ``optimize`` makes the chain consecutive: ATen often puts the gate's ``unsqueeze`` (a view of
     the adaLN output, which cannot be inside the claimed range) between the linear and the gate
@@ -304,6 +340,11 @@ class GatedResidualFusion:
     """
 
     priority = 5
+    #: whether chains may widen y (``.float()`` before the gate multiply) and the residual
+    #: (its ``.float()``, moved into the range) and narrow the result (a cast to bf16/fp16
+    #: after the add) around a float32 gate multiply and add (rules extending this one that do
+    #: not handle them set it False)
+    casts = True
 
     def __init__(self, impl) -> None:
         self.impl = impl
@@ -326,7 +367,7 @@ class GatedResidualFusion:
     def _chain_from(self, chain: list, next_of, nxt=None) -> list | None:
         """The rest of the chain after ``chain`` (the linear, and nodes a subclass took);
         ``nxt``: the next candidate when the caller already fetched it."""
-        scaled = False
+        scaled = widened = False
         while True:
             if nxt is None:
                 nxt = next_of(chain[-1])
@@ -335,25 +376,52 @@ class GatedResidualFusion:
             prev = chain[-1]
             if not scaled and _is_passthrough(nxt, prev):
                 chain.append(nxt)
-            elif not scaled and _is_scale(nxt, prev):
+            elif not scaled and not widened and _is_scale(nxt, prev):
                 chain.append(nxt)
                 scaled = True
+            elif self.casts and not scaled and not widened and _is_widening(nxt, prev):
+                chain.append(nxt)
+                widened = True
             elif len(chain) > 1 and _is_gate_mul(nxt, prev):
                 chain.append(nxt)
                 break
             else:
                 return None
             nxt = None
-        add = next_of(chain[-1])
-        if add is None or not _is_residual_add(add, chain[-1]):
+        mul = chain[-1]
+        add = next_of(mul)
+        widen_r = None
+        if self.casts and add is not None and _is_widening(add):  # matching: graph order
+            widen_r, add = add, next_of(add)
+        if add is None or not _is_residual_add(add, mul) or \
+                (widen_r is not None and _other(add, mul) is not widen_r):
             return None
-        chain.append(add)
+        chain += [widen_r, add] if widen_r is not None else [add]
+        if self.casts:
+            down = next_of(add)
+            if down is not None and _is_narrowing(down, add):
+                chain.append(down)
         return chain
 
+    @staticmethod
+    def _roles(chain: list) -> dict:
+        """The chain's nodes by role: ``mul`` (the gate multiply), ``y`` (the node it reads),
+        ``widen_r`` (the residual's ``.float()`` inside the range, or None), ``add``, ``down``
+        (the narrowing cast, or None), ``scale`` (the scale node, or None)."""
+        j = next(j for j in range(1, len(chain)) if _is_gate_mul(chain[j], chain[j - 1]))
+        a = j + 1
+        widen_r = None
+        if _is_widening(chain[a]) and a + 1 < len(chain) and \
+                _is_residual_add(chain[a + 1], chain[j]):
+            widen_r, a = chain[a], a + 1
+        return dict(mul=chain[j], y=chain[j - 1], widen_r=widen_r, add=chain[a],
+                    down=chain[a + 1] if a + 1 < len(chain) else None,
+                    scale=next((c for p, c in zip(chain[:j], chain[1:j]) if _is_scale(c, p)),
+                               None))
+
     def _parts(self, chain: list) -> _Parts:
-        lin, mul, add = chain[0], chain[-2], chain[-1]
-        y = chain[-3]
-        scale_node = next((c for p, c in zip(chain, chain[1:-2]) if _is_scale(c, p)), None)
+        r = self._roles(chain)
+        lin, mul, add, y, scale_node = chain[0], r["mul"], r["add"], r["y"], r["scale"]
         if lin.op == "aten.addmm.default":
             bias, x, w = lin.srcs
         else:
@@ -362,8 +430,9 @@ class GatedResidualFusion:
             None if scale_node is None else
             ("mul" if scale_node.op == "aten.mul.Tensor" else "div"),
             None if scale_node is None else float(scale_node.params["other"]))
-        return _Parts(lin, x, w, bias, _other(mul, y), _other(add, mul), tuple(y.meta.shape),
-                      scale_op, scale, add.meta)
+        residual = _other(add, mul) if r["widen_r"] is None else r["widen_r"].srcs[0]
+        return _Parts(lin, x, w, bias, _other(mul, y), residual, tuple(y.meta.shape),
+                      scale_op, scale, (r["down"] or add).meta, mul.meta.dtype)
 
     def _why_not(self, chain: list) -> str | None:
         p = self._parts(chain)
@@ -372,10 +441,15 @@ class GatedResidualFusion:
         metas = {"the linear": chain[0].meta, "the gate": p.gate.meta,
                  "the residual": p.residual.meta, "the output": p.out_meta}
         dtypes = {m.dtype for m in metas.values()}
-        if len(dtypes) != 1:
+        if any(d not in DTYPES for d in dtypes):
+            return "dtypes: " + ", ".join(f"{k} {m.dtype}" for k, m in metas.items()) + \
+                " (float32, bfloat16 or float16)"
+        # one dtype, or (casts) a float32 gate multiply and residual add around 16-bit values:
+        # widened exactly, every step rounded to float32, the result narrowed once
+        mixed = self.casts and p.compute == p.gate.meta.dtype == torch.float32 and \
+            self._roles(chain)["add"].meta.dtype == torch.float32
+        if len(dtypes) != 1 and not mixed:
             return "dtypes differ: " + ", ".join(f"{k} {m.dtype}" for k, m in metas.items())
-        if y.dtype not in DTYPES:
-            return f"dtype {y.dtype} (float32, bfloat16 or float16)"
         if any(m.is_symbolic for m in metas.values()):
             return "symbolic shapes"
         if not _broadcasts(tuple(p.gate.meta.shape), p.y_shape) or \
@@ -396,6 +470,9 @@ class GatedResidualFusion:
             chain = self._chain(nodes[i], next_in_graph)
             if chain is None:
                 return 0
+            if self.casts and self._roles(chain)["down"] is not None and \
+                    fxbackend.check_claim(graph, i, len(chain)) is not None:
+                chain = chain[:-1]  # the float32 result has other readers: the cast stays out
             why = self._why_not(chain)
         except Exception as exc:  # never raise from match: decline with the reason
             return 0, f"metadata not understood ({type(exc).__name__}: {exc})"
@@ -414,12 +491,22 @@ class GatedResidualFusion:
                 chain = self._chain(lin, only_user)
                 if chain is None:
                     continue
-                # move the done prefix down to just before the next node of the chain
+                r = self._roles(chain)
+                wr = _other(r["add"], r["mul"])
+                if self.casts and wr is not None and _is_widening(wr) and \
+                        only_user(wr) is r["add"] and not wr.is_output:
+                    # the residual's .float() joins the range, just before the add
+                    chain.insert(chain.index(r["add"]), wr)
+                # move the done prefix down to just before the next node of the chain (a
+                # node of the chain found before the prefix moves down to its end instead)
                 for k in range(1, len(chain)):
                     start = graph.nodes.index(chain[0])
                     j = graph.nodes.index(chain[k])
-                    if j != start + k and not fxbackend.graph_delay(graph, start, start + k,
-                                                                    j - 1):
+                    if j == start + k:
+                        continue
+                    ok = fxbackend.graph_delay(graph, start, start + k, j - 1) if j > start \
+                        else fxbackend.graph_delay(graph, j, j + 1, start + k - 1)
+                    if not ok:
                         break
         except Exception:  # an optimisation only: matching decides on whatever order is left
             return
@@ -436,12 +523,14 @@ class GatedResidualFusion:
         p = self._parts(node.annotations["fused"])
         lin = p.linear
         m, n = lin.meta.shape
-        in_place = node.meta.is_contiguous
+        # the GEMM writes into the output when it has y's layout and dtype (not narrowed or
+        # widened), else into workspace
+        in_place = node.meta.is_contiguous and node.meta.dtype == lin.meta.dtype
         y_meta = dataclasses.replace(lin.meta, shape=p.y_shape,
                                      stride=contiguous_strides(p.y_shape))
         kw = {k: lin.params[k] for k in ("beta", "alpha") if k in lin.params}
         return dict(parts=p, mn=(int(m), int(n)), in_place=in_place, y_meta=y_meta, gemm_kw=kw,
-                    nbytes=int(m) * int(n) * node.meta.itemsize,
+                    nbytes=int(m) * int(n) * lin.meta.itemsize,
                     bias_in_epilogue=bool(getattr(self.impl, "adds_bias", False)) and
                     bias_in_epilogue(p.bias, lin.meta, kw))
 
@@ -461,11 +550,11 @@ class GatedResidualFusion:
         if st["in_place"] and not any(_overlaps(out, t) for t in (*gemm_in, gate, res)):
             y2d = out.view(m, n)
         elif not st["in_place"]:
-            y2d = workspace[:st["nbytes"]].view(out.dtype).view(m, n)
+            y2d = workspace[:st["nbytes"]].view(st["y_meta"].dtype).view(m, n)
         else:
             # out overlaps an input: the memory planner does not do this (inputs live through
             # the step), but the rule must stay correct if it ever did
-            y2d = torch.empty((m, n), dtype=out.dtype, device=out.device)
+            y2d = torch.empty((m, n), dtype=st["y_meta"].dtype, device=out.device)
         bias = None if p.bias is None else gemm_in[0]
         if st["bias_in_epilogue"]:  # mm, and the epilogue adds the bias
             torch.mm(x, w, out=y2d)

@@ -397,6 +397,7 @@ class Int8GatedResidualFusion(GatedResidualFusion):
     """
 
     priority = 6
+    casts = False  # no widened or narrowed operands (the 16-bit cast after the linear is its own)
 
     def __init__(self, impl) -> None:
         super().__init__(impl)

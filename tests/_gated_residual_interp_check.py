@@ -7,7 +7,8 @@ imported); bf16 conversions are made to round to nearest even as on a GPU
 
     TRITON_INTERPRET=1 python tests/_gated_residual_interp_check.py < cases.json
 
-stdin: a JSON list of cases ``{"id", "layout", "b", "s", "c", "dtype", "scale_op", "scale"}``;
+stdin: a JSON list of cases ``{"id", "layout", "b", "s", "c", "dtype", "scale_op", "scale"}``,
+optionally with ``"y_dtype"``, ``"residual_dtype"``, ``"out_dtype"`` (default ``dtype``);
 stdout: one JSON line per case ``{"id", "ok", "msg", "max_abs_err", "exact"}``.  Importing this
 module imports neither Triton nor fxbackend.
 """
@@ -59,8 +60,13 @@ def run_case(case: dict) -> dict:
 
     dtype = getattr(torch, case["dtype"])
     y, gate, res, out = build(case["layout"], case["b"], case["s"], case["c"], dtype, torch)
+    # y, residual and out of their own dtypes (around a float32 gate), when the case says so
+    y = y.to(getattr(torch, case.get("y_dtype", case["dtype"])))
+    res = res.to(getattr(torch, case.get("residual_dtype", case["dtype"])))
+    out = out.to(getattr(torch, case.get("out_dtype", case["dtype"])))
     op, scale = case["scale_op"], case["scale"]
-    want = gated_residual_reference(y, gate, res, op, scale, div_reciprocal=True)
+    want = gated_residual_reference(y, gate, res, op, scale,
+                                    div_reciprocal=True).to(out.dtype)
     if case["layout"] == "in_place":
         out = y
     assert gated_residual_triton(y, gate, res, out, scale_op=op, scale=scale) is out

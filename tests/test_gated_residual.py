@@ -59,6 +59,36 @@ def test_cpu_kernel_is_the_reference(dtype, scale_op, scale, layout, shape):
     assert torch.equal(out, want)  # bit-exact: every rounding of the chain, in place
 
 
+MIXED = [(BF16, F32, BF16, BF16), (BF16, F32, F32, F32), (F16, F32, F16, F32),
+         (F32, F32, BF16, BF16), (BF16, F32, BF16, F16)]
+
+
+_MIXED_CASES = [(d, lay, shape) for d in MIXED
+                for lay, shape in [("plain", (2, 7, 19)), ("plain", (2, 3, 48)),
+                                   ("strided", (2, 5, 33)), ("gate_per_token", (3, 4, 9)),
+                                   ("in_place", (2, 9, 40))]
+                if lay != "in_place" or d[3] == d[0]]  # in place: out is y
+
+
+@pytest.mark.parametrize("dtypes,layout,shape", _MIXED_CASES,
+                         ids=["-".join(str(t)[6:] for t in d) + f"-{lay}-{shape[-1]}"
+                              for d, lay, shape in _MIXED_CASES])
+def test_cpu_kernel_mixed_dtypes_around_a_float32_gate(dtypes, layout, shape):
+    """y, residual and out of their own dtypes around a float32 gate (the rule's widened and
+    narrowed operands): the float32 chain on the widened values, rounded once to out's dtype,
+    bit for bit, in the vector steps (C >= 16) and the scalar tail alike."""
+    ty, tg, tr, to = dtypes
+    y, gate, res, out = _operands(layout, *shape, F32, seed=5)
+    y, gate, res = y.to(ty), gate.to(tg), res.to(tr)
+    if layout == "in_place":
+        out = y
+    else:
+        out = out.to(to)
+    want = gated_residual_reference(y, gate, res).to(to)
+    assert cpu_gr.gated_residual_cpu(y, gate, res, out) is out
+    assert torch.equal(out, want)
+
+
 def test_cpu_kernel_takes_2d_and_4d_outputs():
     g = _gen(1)
     y = torch.randn(11, 13, generator=g)
@@ -189,6 +219,10 @@ def test_why_not_and_layout_on_metadata():
     assert (lay.nb, lay.ns, lay.c, lay.g, lay.r, lay.o) == \
         (2, 8, 16, (96, 0, 1), (128, 16, 1), (128, 16, 1))
     assert "dtype" in cpu_gr.why_not(y, _meta((2, 1, 16), dtype=BF16), y, y)
+    # mixed only around a float32 gate
+    yb = _meta((2, 8, 16), dtype=BF16)
+    assert cpu_gr.why_not(yb, gate, yb, yb) is None
+    assert "float32 gate" in cpu_gr.why_not(y, _meta((2, 1, 16), dtype=BF16), yb, y)
     assert "cuda" in cpu_gr.why_not(y, gate, y, _meta((2, 8, 16), device="cuda"))
     # three leading dims that do not merge: the gate moves along dims 0 and 2, not 1
     y4 = _meta((2, 3, 5, 7))
@@ -209,6 +243,13 @@ def _triton_cases() -> list:
             for lay in ("plain", "in_place", "strided", "gate_per_token"):
                 cases.append(dict(id=f"{lay}-{dt}-{op}", layout=lay, b=2, s=5, c=37, dtype=dt,
                                   scale_op=op, scale=sc))
+    # around a float32 gate: y, residual, out of their own dtypes
+    for ty, tr, to in (("bfloat16", "bfloat16", "bfloat16"), ("float16", "float32", "float32"),
+                       ("bfloat16", "float32", "float16")):
+        for lay in ("plain", "strided"):
+            cases.append(dict(id=f"{lay}-y_{ty}-r_{tr}-o_{to}", layout=lay, b=2, s=5, c=37,
+                              dtype="float32", y_dtype=ty, residual_dtype=tr, out_dtype=to,
+                              scale_op=None, scale=None))
     return cases
 
 
@@ -330,14 +371,60 @@ def test_rule_declines_a_linear_read_elsewhere():
     assert "declined gated_residual" in text and "is a graph output" in text
 
 
-def test_rule_declines_mixed_dtypes_with_a_reason():
-    class Mixed(_Block):  # a float32 gate against a bf16 linear: the multiply promotes
-        def forward(self, x, ada, res):
-            return res + ada.float().chunk(6, dim=1)[2].unsqueeze(1) * self.proj(x)
+class _Wan(_Block):
+    """Wan's gated residuals on a 16-bit stream with a float32 gate: the attention's
+    ``(res.float() + y * gate).type_as(res)`` (the multiply promotes) and the feed-forward's
+    ``(res.float() + y.float() * gate).type_as(res)``; ``keep`` also returns the float32 sum
+    (the narrowing cast then stays outside); ``promote`` adds the 16-bit residual without
+    widening it (the add promotes)."""
 
-    mod = Mixed(dtype=BF16)
+    def __init__(self, form="attn", keep=False, promote=False, dtype=BF16):
+        super().__init__(dtype=dtype)
+        self.form, self.keep, self.promote = form, keep, promote
+
+    def forward(self, x, ada, res):
+        gate = ada.float().chunk(6, dim=1)[2].unsqueeze(1)
+        y = self.proj(x)
+        if self.form == "ff":
+            y = y.float()
+        r = res if self.promote else res.float()
+        total = r + y * gate
+        return (total.type_as(res), total * 2) if self.keep else total.type_as(res)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("form,promote", [("attn", False), ("ff", False), ("attn", True)])
+def test_16bit_stream_with_a_float32_gate_fuses_bit_for_bit(form, promote, dtype):
+    mod = _Wan(form, promote=promote, dtype=dtype)
+    args = _block_inputs(dtype)
+    fused, fires = _compiled(mod, args)
+    with torch.no_grad():
+        eager = mod(*args)
+    assert fires == {"gated_residual": 1}
+    assert fused.dtype == dtype and torch.equal(fused, eager)
+    # the residual's .float() and the narrowing cast are in the step: the gate's .float() is
+    # the one cast left in the plan
+    plan = fxbackend.explain(mod, *args).split("plan graph0")[-1]
+    assert plan.count("aten._to_copy") == 1 and "fused.gated_residual" in plan
+
+
+def test_a_narrowed_result_read_elsewhere_keeps_its_cast_outside():
+    mod = _Wan(keep=True)
     args = _block_inputs(BF16)
-    args = (args[0], args[1], args[2].float())
+    (fused, kept), fires = _compiled(mod, args)
+    with torch.no_grad():
+        want, want_kept = mod(*args)
+    assert fires == {"gated_residual": 1}
+    assert torch.equal(fused, want) and torch.equal(kept, want_kept)
+
+
+def test_rule_declines_mixed_dtypes_with_a_reason():
+    class Mixed(_Block):  # a bf16 gate against a float32 linear: the multiply promotes, but
+        def forward(self, x, ada, res):  # only a float32 gate is taken
+            return res.float() + ada.chunk(6, dim=1)[2].unsqueeze(1) * self.proj(x.float())
+
+    mod = Mixed()
+    args = _block_inputs(BF16)
     text = fxbackend.explain(mod, *args)
     assert "declined gated_residual" in text and "dtypes differ" in text
 
@@ -472,6 +559,22 @@ def test_block_on_cuda_fused_equals_unfused(variant):
     fused, fires = _compiled(mod, args)
     unfused, _ = _compiled(mod, args, {"fusion": False})
     assert fires == {"gated_residual": 1} and torch.equal(fused, unfused)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("form", ["attn", "ff"])
+def test_wan_form_on_cuda_fused_equals_unfused_and_eager(form):
+    """Wan 14B's width: a bf16 stream with a float32 gate, 1024 tokens."""
+    mod = _Wan(form)
+    mod.proj = torch.nn.Linear(5120, 5120).to(BF16)
+    mod = mod.cuda()
+    args = tuple(t.cuda() for t in _block_inputs(BF16, s=512, c_in=5120, c=5120))
+    fused, fires = _compiled(mod, args)
+    unfused, _ = _compiled(mod, args, {"fusion": False})
+    with torch.no_grad():
+        eager = mod(*args)
+    assert fires == {"gated_residual": 1}
+    assert torch.equal(fused, unfused) and torch.equal(fused, eager)
 
 
 @pytest.mark.parametrize("op,s,want", [
