@@ -88,11 +88,17 @@ def test_flux_small_arena_at_most_60_percent():
 def test_16bit_models_fused_match_unfused_and_eager(family, dtype):
     # every rule's 16-bit path on a whole model: fused equals unfused up to one rounding of the
     # fused kernels (measured: bf16 bit-exact; fp16 UNet 1.2e-3, one fp16 ulp at the output's
-    # scale, from group_norm_silu), and both match eager.  Wan computes its residuals and RoPE
-    # in float32 around 16-bit values: gated_residual, rope and one modulation decline there
-    # (mixed dtypes), the rest is bit-exact.  (Tiny SDXL in bf16 is 1.6e-2 from eager, as
-    # Inductor is: the group norm's moments are not torch's, and 25 of them compound)
+    # scale, from group_norm_silu), and both match eager.  Wan computes its gated residuals
+    # and modulations in float32 around 16-bit values and its RoPE in the 16-bit dtype: they
+    # fuse with their casts (and the rounded RoPE op), bit-exact.  (Tiny SDXL in bf16 is
+    # 1.6e-2 from eager, as Inductor is: the group norm's moments are not torch's, and 25 of
+    # them compound)
     ref, out, _ = eager_and_compiled(family, dtype=dtype)
+    st = fxbackend.stats()
+    if family == "wan":  # 2 blocks: q and k RoPE, 2 modulations, 2 gated residuals each
+        assert st["rewrites_by_rule"]["rope"] == 4
+        assert st["fusions_by_rule"]["modulation"] == 4
+        assert st["fusions_by_rule"]["gated_residual"] == 4
     torch._dynamo.reset()
     _, unfused, _ = eager_and_compiled(family, dtype=dtype, options={"fusion": False})
     assert out.dtype == dtype
