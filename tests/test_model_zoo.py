@@ -1,0 +1,76 @@
+"""Correctness over many diffusers architectures (tests/model_zoo.py: 24 tiny models beyond
+``fxbackend.models``' table): each through ``torch.compile(backend="fxbackend")`` against eager.
+
+- float32: every output within 1e-5 of eager (relative to its largest value);
+- bf16: bit for bit eager's, except three models noted at ``BF16_NOT_EXACT``.
+
+Graph breaks are the models' (HiDream's expert routing, Mochi's ``nonzero``, Lumina 2's
+``.item()``): every piece between them runs through fxbackend.
+"""
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+import torch
+
+import fxbackend
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from ext_util import rel_err  # noqa: E402
+from model_zoo import ZOO, build  # noqa: E402
+
+#: bf16 outputs that differ from eager's by bf16 rounding, and why (measured: these and
+#: Inductor's errors on the same models)
+BF16_NOT_EXACT = {
+    # group_norm_silu's float32 moments are summed in another order than torch's: at a few
+    # shapes (48 channels in 8 groups at 16x16) some bf16 roundings move by one unit; 3.6e-3
+    # at the output (Inductor 1.8e-2); unfused it is exact
+    "kandinsky22_unet": 1e-2,
+    # unfused and with every rewrite off too (1.9e-3 and 5.7e-3; Inductor 1.3e-2 and
+    # 1.4e-2); torch's own aot_eager fails on these graphs in bf16 (native_group_norm gets an
+    # input whose strides its CPU kernel rejects), so the graph's layouts are not eager's; the
+    # step that rounds differently is not identified yet
+    "vae_decode": 1e-2,
+    "kandinsky21_unet": 1e-2,
+}
+
+
+def _tensors(out) -> list:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors(o)]
+    return []
+
+
+def _run(name, dtype):
+    model, kw = build(name, dtype)
+    with torch.no_grad():
+        ref = _tensors(model(**kw))
+        torch._dynamo.reset()
+        fxbackend.reset_stats()
+        out = _tensors(torch.compile(model, backend="fxbackend")(**kw))
+    assert ref and len(out) == len(ref)
+    return ref, out
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_float32_matches_eager(name):
+    ref, out = _run(name, torch.float32)
+    assert fxbackend.stats()["fallback_graphs"] == 0
+    for r, o in zip(ref, out):
+        assert o.dtype == r.dtype and o.shape == r.shape
+        assert rel_err(o, r) <= 1e-5
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_bf16_is_eager_bit_for_bit(name):
+    ref, out = _run(name, torch.bfloat16)
+    for r, o in zip(ref, out):
+        assert o.dtype == r.dtype and o.shape == r.shape
+        if name in BF16_NOT_EXACT:
+            assert rel_err(o, r) <= BF16_NOT_EXACT[name]
+        else:
+            assert torch.equal(o, r)
