@@ -14,6 +14,8 @@
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -590,3 +592,21 @@ def test_exact_scale_simplifies_only_where_exact(op, s, want):
         ref = y / s if op == "div" else y * s
         got = y * want[1] if want[0] == "mul" else y / want[1]
         assert torch.equal(ref, got)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiled mode only")
+@pytest.mark.parametrize("dtypes,scale_op", [
+    ((F32,) * 4, "div"), ((BF16,) * 4, "mul"), ((F16,) * 4, None),
+    ((BF16, F32, BF16, BF16), None), ((BF16, F32, F32, F32), None), ((F16, F32, F16, BF16), None)],
+    ids=["fp32-div", "bf16-mul", "fp16", "bf16-f32gate-bf16", "bf16-f32gate-f32",
+         "fp16-f32gate-bf16out"])
+def test_triton_kernel_compiles_for_sm90_without_a_gpu(dtypes, scale_op):
+    """Catches what the interpreter does not check (types, constexpr dtypes, lowering) for
+    each dtype combination (y, gate, residual, out) the rule hands the epilogue."""
+    grid, args, block_r, block_c = cuda_gr._plan((2, 7, 64), (2, 1, 64), (384, 64, 1),
+                                                 (2, 7, 64), (448, 64, 1), (448, 64, 1))
+    ck = interp.aot_compile(cuda_gr._kernel(), dtypes, (*args, 0.5),
+                            {"HAS_SCALE": scale_op is not None, "BLOCK_R": block_r,
+                             "BLOCK_C": block_c},
+                            {"num_warps": cuda_gr.NUM_WARPS, "enable_fp_fusion": False})
+    assert ck.asm.get("cubin"), "no cubin"

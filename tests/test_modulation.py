@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 import zlib
@@ -33,7 +34,7 @@ from fxbackend.patterns.modulation import (ModulationFusion, ReferenceModulation
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from ext_util import eager_and_compiled, rel_err, rule_on_top  # noqa: E402
 from _modulation_interp_check import LAYOUTS, build  # noqa: E402
-from _rope_interp_check import check_result, run_checker  # noqa: E402
+from _rope_interp_check import aot_compile, check_result, run_checker  # noqa: E402
 
 EPS = 1e-6
 # (dtype, atol, rtol, min_exact): float32 within float32 rounding of mean/rstd; 16-bit within one
@@ -448,3 +449,22 @@ def test_models_fire_once_per_adaln_chain(family):
     assert {"flux": 6, "sd3": 7, "pixart": 5, "unet": 0}[family] == want  # the tiny configs
     # scale_cast (patterns/scale_cast.py): float32 models cast nothing to fp16/bf16
     assert fxbackend.stats()["fusions_by_rule"].get("scale_cast", 0) == 0
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiled mode only")
+@pytest.mark.parametrize("dtypes", [(torch.float32,) * 4, (torch.bfloat16,) * 4,
+                                    (torch.bfloat16, torch.float32, torch.float32, torch.bfloat16),
+                                    (torch.float16, torch.float32, torch.float32, torch.float32)],
+                         ids=["fp32", "bf16", "bf16-widened-narrowed", "fp16-widened"])
+def test_triton_kernel_compiles_for_sm90_without_a_gpu(dtypes):
+    """Catches what the interpreter does not check (types, constexpr dtypes, lowering) for
+    each dtype combination the rule hands the kernel."""
+    from fxbackend.cuda_kernels import modulation as cuda_mod
+    x = torch.empty(2, 7, 64)
+    s = torch.empty(2, 1, 64).expand(2, 7, 64)
+    p = cuda_mod._plan(tuple(x.shape), x.stride(), s.stride(), s.stride())
+    ck = aot_compile(cuda_mod._kernel(), dtypes, (*p.args, 1e-6, 1.0),
+                     {"IS_RMS": False, "HAS_ADD": True, "BLOCK_R": p.block_r,
+                      "BLOCK_D": p.block_d},
+                     {"num_warps": p.num_warps, "enable_fp_fusion": False})
+    assert ck.asm.get("cubin"), "no cubin"
