@@ -34,7 +34,7 @@ _FLUX_IDENTITY = {"identity_arith": 8}
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-FAMILIES = ["flux", "sd3", "unet"]
+FAMILIES = ["flux", "sd3", "unet", "wan"]  # wan: functionalised slice writes (its RoPE)
 
 
 def _tensor_inputs(inputs: dict) -> dict:
