@@ -238,6 +238,22 @@ def _meta_tensor(m: TensorMeta) -> torch.Tensor:
     return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
 
 
+def _fake_layout_call(n: Node, args: tuple, kwargs: dict) -> Any:
+    """``n``'s op on fake tensors of its device laid out as the meta tensors ``args`` (see
+    ``_FAKE_LAYOUT_OPS``), its result as a meta tensor of the same layout."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    device = n.meta.device if isinstance(n.meta, TensorMeta) else torch.device("cpu")
+    with FakeTensorMode():
+        def fake(t):
+            if isinstance(t, torch.Tensor):
+                return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+            return t
+        r = n.target(*[_map_tree(x, fake) for x in args],
+                      **{k: _map_tree(v, fake) for k, v in kwargs.items()})
+        layout = (tuple(r.shape), tuple(r.stride()), r.dtype)
+    return torch.empty_strided(layout[0], layout[1], dtype=layout[2], device="meta")
+
+
 def _propagate(graph: Graph, args: Sequence[Any]) -> tuple[dict, dict]:
     """Run the graph on the meta device to get concrete shapes for these inputs."""
     vals: dict[Node, Any] = {}
@@ -307,10 +323,18 @@ def _propagate(graph: Graph, args: Sequence[Any]) -> tuple[dict, dict]:
             continue
         a, kw = call_args(n, val, val)
         try:
-            out = n.target(*a, **kw)
+            out = _fake_layout_call(n, a, kw) if n.op in _FAKE_LAYOUT_OPS else n.target(*a, **kw)
         except Exception as e:  # a meta kernel that is missing: say which node
             raise NotImplementedError(f"cannot re-plan %{n.id} ({n.op}) for new shapes on the "
                                       f"meta device: {e}") from e
+        if isinstance(out, torch.Tensor) and _same_layout(out, n.meta) and \
+                tuple(out.stride()) != tuple(n.meta.stride):
+            # the recorded strides where they differ only on size-1 dims (which torch's
+            # meta and fake functions stride differently): later ops choose their layouts
+            # (suggest_memory_format) from them, as they did when the graph was recorded; a
+            # view stays a view of the same storage
+            out = out.as_strided(n.meta.shape, n.meta.stride, out.storage_offset()) \
+                if n.view_of is not None else _meta_tensor(n.meta)
         vals[n] = out
         if n.is_scalar:
             scalars[n] = out
@@ -318,6 +342,14 @@ def _propagate(graph: Graph, args: Sequence[Any]) -> tuple[dict, dict]:
         else:
             metas[n] = to_meta(out, n.meta)
     return metas, scalars
+
+
+def _same_layout(t: torch.Tensor, m: Any) -> bool:
+    """``t`` (a meta tensor) has the concrete metadata ``m``'s dtype and shape, and its strides
+    on every dim longer than 1."""
+    return isinstance(m, TensorMeta) and not m.is_symbolic and t.dtype == m.dtype and \
+        tuple(t.shape) == tuple(m.shape) and \
+        all(sz <= 1 or a == b for sz, a, b in zip(m.shape, t.stride(), m.stride))
 
 
 def _fast_out_table() -> dict[str, Any]:
