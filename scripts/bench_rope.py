@@ -25,7 +25,9 @@ function and the fused kernel ``rms_rope_cpu`` (see :func:`bench_fused`).
 Achieved bandwidth: ``(bytes of x read + cos + sin + bytes of out written) / time`` (each
 element counted once: the minimum traffic).  Ratios printed: eager / kernel and inductor /
 kernel (>1: the kernel is faster).  Goals (float32): kernel >= 10x faster than eager and >= 1.5x
-faster than Inductor; the script reports whether they were met.
+faster than Inductor; the script reports whether they were met (for the configs whose eager is
+diffusers' ``apply_rotary_emb``; ``wan_strided``'s eager is Wan's own strided writes, reported
+without a goal).
 
 Compile time of the numba kernel: a subprocess with a fresh temporary ``NUMBA_CACHE_DIR``
 imports fxbackend and times the kernel's ``compile`` for one dtype/mode (numba import +
@@ -71,6 +73,11 @@ CONFIGS = {
     # batch 2 (classifier-free guidance), 1024 latent frames
     "stable_audio_partial": (2, 24, 1024, 64, 32, "split_half", "bhsd",
                              "Stable Audio Open DiT, n_rot=32 of 64"),
+    # Wan 2.1 1.3B's attention (12 heads x 128), 4096 tokens, as Wan writes its RoPE: strided
+    # writes of x1 * c - x2 * s and x1 * s + x2 * c into an empty tensor, [1, S, 1, D] tables
+    # in the model's dtype (the op: interleaved; in bf16/fp16 sd.rope_apply_rounded.v1)
+    "wan_strided": (1, 12, 4096, 128, 128, "interleaved", "wan",
+                    "Wan 2.1 1.3B, strided writes"),
 }
 
 
@@ -104,8 +111,26 @@ def parse_args(argv=None):
 
 # -- the implementations -------------------------------------------------------------------------
 
+def _wan_rope(x, freqs_cos, freqs_sin):
+    """Wan's RoPE as its attention processor writes it (x [B, S, H, D], tables [1, S, 1, D])."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = freqs_cos[..., 0::2], freqs_sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+def _rounding(layout: str, dtype) -> str:
+    """The op a config's chain becomes: Wan's 16-bit chain rounds each product and the sum."""
+    return "each_op" if layout == "wan" and dtype != torch.float32 else "once"
+
+
 def eager_fn(mode: str, n_rot: int, layout: str):
-    """diffusers' apply_rotary_emb as a model calls it (cos/sin given as [S, n_rot])."""
+    """diffusers' apply_rotary_emb as a model calls it (cos/sin given as [S, n_rot]), or Wan's
+    strided writes (layout "wan")."""
+    if layout == "wan":
+        return _wan_rope
     from diffusers.models.embeddings import apply_rotary_emb
     unbind = -1 if mode == "interleaved" else -2
     seq_dim = 2 if layout == "bhsd" else 1
@@ -127,6 +152,10 @@ def make_inputs(cfg, dtype):
     g = torch.Generator().manual_seed(0)
     shape = (B, H, S, D) if layout == "bhsd" else (B, S, H, D)
     x = torch.randn(shape, generator=g).to(dtype)
+    if layout == "wan":  # each angle twice, [1, S, 1, D], in the model's dtype (eager = op)
+        ang = (torch.rand(S, D // 2, generator=g) * 6.3).repeat_interleave(2, dim=-1)
+        cos, sin = (t[None, :, None, :].to(dtype) for t in (ang.cos(), ang.sin()))
+        return x, cos, sin, cos, sin
     ang = torch.rand(S, n_rot, generator=g) * 6.3
     cos2, sin2 = ang.cos(), ang.sin()  # [S, n_rot]: what eager takes
     # what the op takes: broadcastable to x's rows
@@ -134,13 +163,14 @@ def make_inputs(cfg, dtype):
     return x, cos2, sin2, cos, sin
 
 
-def fxbackend_graph(x, cos, sin, mode, n_rot):
+def fxbackend_graph(x, cos, sin, mode, n_rot, rounding="once"):
     import fxbackend
     from fxbackend import Graph, TensorMeta
     g = Graph()
     srcs = [g.append(g.new_node("input", meta=TensorMeta.of(t), is_input=True))
             for t in (x, cos, sin)]
-    node = fxbackend.op_create(g, "sd.rope_apply.v1", srcs, {"mode": mode, "n_rot": n_rot})
+    op = "sd.rope_apply.v1" if rounding == "once" else "sd.rope_apply_rounded.v1"
+    node = fxbackend.op_create(g, op, srcs, {"mode": mode, "n_rot": n_rot})
     node.is_output = True
     g.outputs = [node]
     return fxbackend.CompiledGraph(g, fxbackend.Options())
@@ -150,16 +180,17 @@ def fxbackend_graph(x, cos, sin, mode, n_rot):
 
 def bench_config(name, cfg, args, dtype):
     import fxbackend
-    from fxbackend.cpu_kernels.rope import RopeApplyCPU
+    from fxbackend.cpu_kernels.rope import RopeApplyCPU, RopeApplyRoundedCPU
     from fxbackend.patterns.rope import rope_reference
     B, H, S, D, n_rot, mode, layout, model = cfg
     x, cos2, sin2, cos, sin = make_inputs(cfg, dtype)
     out = torch.empty(x.shape, dtype=dtype)
     eager = eager_fn(mode, n_rot, layout)
+    rounding = _rounding(layout, dtype)
     res, impls = _start(name, model, x, cos, mode, n_rot, dtype, eager, (x, cos2, sin2), args)
     # the kernel as a plan step runs it: compile and prepare at plan time, execute per call
-    cg = fxbackend_graph(x, cos, sin, mode, n_rot)
-    kernel = RopeApplyCPU()
+    cg = fxbackend_graph(x, cos, sin, mode, n_rot, rounding)
+    kernel = RopeApplyRoundedCPU() if rounding == "each_op" else RopeApplyCPU()
     node = cg.graph.outputs[0]
     assert kernel.supports(node)
     t0 = time.perf_counter()
@@ -173,7 +204,7 @@ def bench_config(name, cfg, args, dtype):
     res["fxbackend_steps"] = dict(fxbackend.stats()["steps_by_kernel"])
     impls["fxbackend"] = lambda: cg.run([x, cos, sin])
 
-    want = rope_reference(x, cos, sin, mode, n_rot).float()
+    want = rope_reference(x, cos, sin, mode, n_rot, rounding).float()
     scale = want.abs().max().item()
     for k, f in impls.items():
         got = f()
@@ -371,7 +402,9 @@ def print_table(report):
         label = r["config"] + ("*" if r.get("fused") else "")
         print(f"{label:22} {'x'.join(map(str, r['shape'])):18} {r['dtype']:9}{cells}"
               f"{r['speedup_vs_eager']:>10.1f}x" + (f"{si:>8.2f}x" if si else f"{'-':>9}"))
-        if r["dtype"] == "float32":
+        if r["dtype"] == "float32" and not r["config"].startswith("wan"):
+            # the goals are against diffusers' apply_rotary_emb; Wan's strided writes are
+            # another eager function (reported, no goal)
             met.append((r["config"], r["speedup_vs_eager"] >= 10,
                         None if si is None else si >= 1.5))
     for r in report["results"]:
