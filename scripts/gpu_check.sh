@@ -39,13 +39,17 @@ $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$LOG/inst
     || { echo "install failed"; cat "$LOG/install.log"; exit 1; }
 
 step cuda_tests 240 $PY -m pytest -q -m cuda -p no:cacheprovider tests
-step bench_cuda 120 $PY scripts/bench.py --device cuda --sizes tiny,small --no-kernel-cache-runs \
+step bench_cuda 100 $PY scripts/bench.py --device cuda --sizes tiny,small --no-kernel-cache-runs \
     --backends eager,aot_eager,fxbackend --repeat 20 --json "$LOG/bench_cuda.json"
+# bf16, as GPUs serve these models: Wan's rounded RoPE and its widened/narrowed epilogues
+step bench_cuda_bf16 30 $PY scripts/bench.py --device cuda --dtype bfloat16 --sizes small \
+    --families wan,flux --no-kernel-cache-runs --backends eager,fxbackend --repeat 10 \
+    --json "$LOG/bench_cuda_bf16.json"
 step bench_cuda_inductor 50 $PY scripts/bench.py --device cuda --sizes small --families flux \
     --no-kernel-cache-runs --backends eager,inductor,fxbackend --repeat 20 \
     --json "$LOG/bench_cuda_inductor.json"
 step bench_rms_rope_cuda 40 $PY scripts/bench_rms_rope_cuda.py --out "$LOG/bench_rms_rope_cuda.txt"
-step overhead_cuda 40 $PY scripts/bench_overhead.py --device cuda --rounds 3 --calls 100 --json "$LOG/overhead_cuda.json"
+step overhead_cuda 30 $PY scripts/bench_overhead.py --device cuda --rounds 3 --calls 100 --json "$LOG/overhead_cuda.json"
 step bench_streams 50 $PY scripts/bench_streams.py --device cuda --rounds 3 --calls 5 --cuda-graphs \
     --json "$LOG/bench_streams.json"
 echo "gpu_check: $([ $status -eq 0 ] && echo all steps passed || echo some step failed)" | tee -a "$LOG/summary.txt"
