@@ -14,7 +14,7 @@ MMDiT, SD3.5-style QK RMSNorm), ``pixart`` (DiT with adaLN-single and cross-atte
 ``unet`` (SD-style UNet2DConditionModel with GroupNorm resnets and cross-attention blocks),
 ``wan`` (WanTransformer3DModel: video latents, 3-axis RoPE, cross-attention) and
 ``sdxl`` (SDXL-style UNet2DConditionModel: linear projections, multi-layer transformer blocks,
-text/time added conditioning; tiny only).  Sizes: ``tiny`` (a few ms per call, quick to
+text/time added conditioning).  Sizes: ``tiny`` (a few ms per call, quick to
 compile; for tests) and ``small`` (roughly 100-350 ms per float32 forward on a 2-core CPU; for
 benchmarks).
 
@@ -137,6 +137,20 @@ MODEL_CONFIGS = {
                        norm_num_groups=32),
         "inputs": dict(batch=1, resolutions=[(16, 16), (20, 20), (16, 24)], text_len=7,
                        text_embeds=32),
+    },
+    ("sdxl", "small"): {
+        "cls": "UNet2DConditionModel",
+        "config": dict(sample_size=32, in_channels=4, out_channels=4, layers_per_block=2,
+                       block_out_channels=(128, 256),
+                       down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+                       up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+                       attention_head_dim=(2, 4), use_linear_projection=True,
+                       addition_embed_type="text_time", addition_time_embed_dim=32,
+                       transformer_layers_per_block=(1, 2),
+                       projection_class_embeddings_input_dim=448, cross_attention_dim=256,
+                       norm_num_groups=32),
+        "inputs": dict(batch=1, resolutions=[(32, 32), (28, 28), (24, 32)], text_len=77,
+                       text_embeds=256),
     },
 }
 
