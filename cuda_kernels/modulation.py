@@ -195,8 +195,9 @@ def modulation_triton(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
     """``modulation_reference(x, scale, shift, eps, norm, add_c)`` into ``out`` (allocated when
     None; else contiguous, x's shape, not overlapping the inputs; x's dtype, or bf16/fp16 around
     float32 scale and shift: the float32 result rounded once; a bf16/fp16 x with float32 scale
-    and shift is widened exactly) with the Triton kernel.  ``scale``/``shift`` broadcast to x.  One CUDA device (its current stream), or the CPU
-    under ``TRITON_INTERPRET=1``.  Raises ValueError for arguments the kernel does not take."""
+    and shift is widened exactly) with the Triton kernel.  ``scale``/``shift`` broadcast to x.
+    One CUDA device (its current stream), or the CPU under ``TRITON_INTERPRET=1``.  Raises
+    ValueError for arguments the kernel does not take."""
     for label, t in (("x", x), ("scale", scale), ("shift", shift)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"modulation_triton: {label} is not a tensor")

@@ -30,8 +30,8 @@ only when the float32 result has no other reader (``match`` asks ``fxbackend.che
 The fused step runs the GEMM natively (the same ATen op with ``out=``: identical bits) into the
 step's output (into workspace when the output has another dtype than y), then one elementwise
 epilogue pass over it (a device kernel) that reads y, the gate and the residual once and writes
-out once, where the unfused chain reads and writes the [M, N] tensor once per op (two or three times more traffic; four with Flux's/SD3's clone).
-The gate and the residual may be strided and broadcast (the gate usually is: a strided chunk of
+out once, where the unfused chain reads and writes the [M, N] tensor once per op (two or three
+times more traffic; four with Flux's/SD3's clone).  The gate and the residual may be strided and broadcast (the gate usually is: a strided chunk of
 the adaLN output, broadcast over tokens).
 
 Sources: Peebles & Xie, "Scalable Diffusion Models with Transformers" (adaLN-Zero, arXiv

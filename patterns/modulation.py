@@ -32,8 +32,9 @@ of x and of the result are never written.  Both only around a float32 chain.  Th
 cast joins only when the float32 result has no other reader (the rule asks
 ``fxbackend.check_claim`` before claiming it).
 
-The norm's statistics are float32 sums in the kernels' own order, so results differ from the unfused chain by about one float32 rounding of mean/rstd
-(~2e-7 relative; 16-bit outputs then within one unit in the last place).
+The norm's statistics are float32 sums in the kernels' own order, so results differ from the
+unfused chain by about one float32 rounding of mean/rstd (~2e-7 relative; 16-bit outputs then
+within one unit in the last place).
 
 The ``c + scale`` add joins the step when only the chain reads it: it is computed per element in
 float32 and rounded to T, exactly as ``aten.add`` does, so including it costs no accuracy and
@@ -42,8 +43,9 @@ the step reads its result as the scale (``add_c`` None).
 
 Legality (``fusion.check_claim``): the claimed range is ``[(x.float()), norm, getitem,
 (add c), (views of the add), mul, add, (cast)]``; views of storage outside
-(``unsqueeze(scale_chunk)``, ``unsqueeze(shift)``) must stay outside, and ``native_layer_norm``'s mean and rstd outputs must be unread (no getitem 1
-or 2).  ``optimize`` moves the norm, the ``c + scale`` add and its views together with
+(``unsqueeze(scale_chunk)``, ``unsqueeze(shift)``) must stay outside, and
+``native_layer_norm``'s mean and rstd outputs must be unread (no getitem 1 or 2).  ``optimize``
+moves the norm, the ``c + scale`` add and its views together with
 ``graph_delay`` (Flux/SD3 compute the scale/shift views between the norm and the mul).  SD3.5's
 ``AdaLayerNormZeroX`` reads one norm twice (two modulations): the engine declines it.
 

@@ -38,8 +38,8 @@ from .rmsnorm import RmsNorm, is_cast_to
 
 RmsNormName = RmsNorm.name
 
-__all__ = ["RopeApply", "RopeApplyRounded", "RopeTables", "RopeIdiom", "rope_reference", "rms_rope_reference", "RmsRopeFusion",
-           "ReferenceRmsRope", "MODES"]
+__all__ = ["RopeApply", "RopeApplyRounded", "RopeTables", "RopeIdiom", "rope_reference",
+           "rms_rope_reference", "RmsRopeFusion", "ReferenceRmsRope", "MODES"]
 
 MODES = ("interleaved", "split_half")
 #: how ``rope_reference`` rounds: once (``sd.rope_apply.v1``) or after each product and the sum

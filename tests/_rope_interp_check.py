@@ -9,8 +9,8 @@ tests in a pytest process may import Triton first, so the checks run here, in a 
 stdin: a JSON list of cases ``{"id", "layout", "d", "n_rot", "mode", "dtype", "atol", "rtol",
 "via", "rounding"}`` (``via``: "launcher" calls ``rope_apply_triton``; "execute" goes through the
 registry kernel's ``prepare`` and ``execute`` on a node built with ``op_create``; ``rounding``:
-"once", ``sd.rope_apply.v1``, the default, or "each_op", ``sd.rope_apply_rounded.v1``).  stdout: one JSON line
-per case ``{"id", "ok", "msg", "max_abs_err"}``.
+"once", ``sd.rope_apply.v1``, the default, or "each_op", ``sd.rope_apply_rounded.v1``).
+stdout: one JSON line per case ``{"id", "ok", "msg", "max_abs_err"}``.
 
 It also holds what tests/test_rope_cuda.py and tests/test_rms_rope_cuda.py (and its checker,
 tests/_rms_rope_interp_check.py) share: :func:`run_checker` and :func:`check_result` (the test

@@ -92,7 +92,8 @@ def _inputs_lumina2(r, f):
 def _inputs_cogview4(r, f):
     return dict(hidden_states=r(1, 4, IMG, IMG), encoder_hidden_states=r(1, 8, 8),
                 timestep=torch.full((1,), 500, dtype=torch.long),
-                original_size=torch.tensor([[128.0, 128.0]]), target_size=torch.tensor([[128.0, 128.0]]),
+                original_size=torch.tensor([[128.0, 128.0]]),
+                target_size=torch.tensor([[128.0, 128.0]]),
                 crop_coords=torch.tensor([[0.0, 0.0]]))
 
 
@@ -103,8 +104,10 @@ def _inputs_mochi(r, f):
 
 
 def _inputs_hunyuanvideo(r, f):
-    return dict(hidden_states=r(1, 4, 1, IMG, IMG), timestep=torch.full((1,), 500, dtype=torch.long),
-                encoder_hidden_states=r(1, 12, 16), encoder_attention_mask=torch.ones(1, 12, dtype=torch.long),
+    return dict(hidden_states=r(1, 4, 1, IMG, IMG),
+                timestep=torch.full((1,), 500, dtype=torch.long),
+                encoder_hidden_states=r(1, 12, 16),
+                encoder_attention_mask=torch.ones(1, 12, dtype=torch.long),
                 pooled_projections=r(1, 8), guidance=f(3500))
 
 
@@ -137,7 +140,8 @@ def _inputs_flux_controlnet(r, f):
 
 def _inputs_uvit(r, f):
     g = torch.Generator().manual_seed(1)
-    return dict(input_ids=torch.randint(0, 32, (1, 8, 8), generator=g), encoder_hidden_states=r(1, 7, 32),
+    return dict(input_ids=torch.randint(0, 32, (1, 8, 8), generator=g),
+                encoder_hidden_states=r(1, 7, 32),
                 pooled_text_emb=r(1, 32), micro_conds=torch.tensor([[512.0, 512.0, 0.0, 0.0, 6.0]]))
 
 
@@ -230,7 +234,8 @@ ZOO = {
         patch_size=2, num_attention_heads=2, attention_head_dim=8, num_layers=2,
         pooled_projection_dim=16, in_channels=4, text_embed_dim=16, time_embed_dim=4,
         max_sequence_length=16)),
-    "hunyuanvideo": dict(cls="HunyuanVideoTransformer3DModel", inputs=_inputs_hunyuanvideo, config=dict(
+    "hunyuanvideo": dict(cls="HunyuanVideoTransformer3DModel", inputs=_inputs_hunyuanvideo,
+                         config=dict(
         in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=1,
         num_single_layers=1, num_refiner_layers=1, patch_size=1, patch_size_t=1,
         guidance_embeds=True, text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(2, 4, 4))),
@@ -240,8 +245,10 @@ ZOO = {
         global_states_input_dim=8, cross_attention_input_dim=4)),
     "vae_encode": dict(cls="AutoencoderKL", inputs=_inputs_vae_enc, call="encode", config=VAE_CFG),
     "vae_decode": dict(cls="AutoencoderKL", inputs=_inputs_vae_dec, call="decode", config=VAE_CFG),
-    "wanvae_decode": dict(cls="AutoencoderKLWan", inputs=_inputs_wanvae_dec, call="decode", config=dict(
-        base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True],
+    "wanvae_decode": dict(cls="AutoencoderKLWan", inputs=_inputs_wanvae_dec, call="decode",
+                          config=dict(
+        base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+        temperal_downsample=[False, True, True],
         latents_mean=[0.0] * 4, latents_std=[1.0] * 4)),
     "unet2d": dict(cls="UNet2DModel", inputs=_inputs_unet2d, config=dict(
         sample_size=IMG, in_channels=3, out_channels=3, block_out_channels=(16, 32),

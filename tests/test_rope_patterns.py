@@ -15,7 +15,8 @@ def _rope_fn(x, cos, sin):
 
 
 def _assert_one_exact_rope(f, args, kernel):
-    """``torch.compile(f)`` equals ``f`` bit for bit, with one ``rope`` rewrite run by ``kernel``."""
+    """``torch.compile(f)`` equals ``f`` bit for bit, with one ``rope`` rewrite run by
+    ``kernel``."""
     with torch.no_grad():
         out = torch.compile(f, backend="fxbackend")(*args)
         want = f(*args)
