@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 import fxbackend
-from fxbackend.patterns.modulation import NORMS, ModulationFusion
+from fxbackend.patterns.modulation import NORMS, ModulationFusion, dtypes_why_not
 
 from . import _numba
 from . import rmsnorm as _rms
@@ -203,12 +203,9 @@ def why_not(x: Any, scale: Any, shift: Any, out: Any, norm: Any) -> str | None:
         why = _why_not_metas(metas)
         if why is not None:
             return why
-        t = scale.dtype
-        if any(m.dtype not in _NP_OF for m in metas) or shift.dtype != t or \
-                (t != torch.float32 and (x.dtype != t or out.dtype != t)):
-            return "dtypes " + ", ".join(str(m.dtype) for m in metas) + \
-                " (one of float32, bfloat16, float16 for all, or 16-bit x and out around" \
-                " float32 scale and shift)"
+        why = dtypes_why_not(x.dtype, scale.dtype, shift.dtype, out.dtype)
+        if why is not None:
+            return why
         if norm not in NORMS:
             return f"norm {norm!r} (one of {NORMS})"
         if not x.shape or x.shape[-1] < 1:

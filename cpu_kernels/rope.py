@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 import fxbackend
+from fxbackend.patterns.rope import ROUNDINGS
 
 from . import _numba
 from ._numba import numba_cache_dir
@@ -542,8 +543,8 @@ def rope_apply_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: 
     (``"each_op"``) on CPU tensors with the numba kernel (the launcher; for direct calls and
     benchmarks).  ``out``: a contiguous tensor of x's shape and dtype, or None (allocated).
     Raises ValueError for inputs the kernel does not handle (see ``RopeApplyCPU.supports``)."""
-    if rounding not in ("once", "each_op"):
-        raise ValueError(f"rope_apply_cpu: rounding must be 'once' or 'each_op', got {rounding!r}")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rope_apply_cpu: rounding must be one of {ROUNDINGS}, got {rounding!r}")
     why = _why_not(fxbackend.TensorMeta.of(x), fxbackend.TensorMeta.of(cos),
                    fxbackend.TensorMeta.of(sin), mode, n_rot)
     if why is not None:

@@ -43,7 +43,7 @@ from fxbackend.cuda_kernels import rope as _rope
 from fxbackend.cuda_kernels.rmsnorm import num_warps
 from fxbackend.cuda_kernels.rope import (DTYPES, MAX_LEAD_DIMS, TILE, _launch_on,
                                          _merge_lead_dims, _next_pow2, _warmup_on, lazy_kernel)
-from fxbackend.patterns.modulation import NORMS, ModulationFusion
+from fxbackend.patterns.modulation import NORMS, ModulationFusion, dtypes_why_not
 
 __all__ = ["modulation_triton", "ModulationCUDA", "why_not", "MAX_D"]
 
@@ -143,17 +143,6 @@ def _plan(shape: tuple, x_stride: tuple, s_stride: tuple, h_stride: tuple) -> _L
     return _Launch(grid, args, block_r, block_d, num_warps(block_r, block_d))
 
 
-def _why_dtypes(x, scale, shift, out) -> str | None:
-    """One of float32/bf16/fp16 for all, or a bf16/fp16 x (widened in the step) and out
-    (narrowed) around float32 scale and shift; else the reason."""
-    if any(d not in DTYPES for d in (x, scale, shift, out)) or shift != scale or \
-            (scale != torch.float32 and (x != scale or out != scale)):
-        return "dtypes " + ", ".join(str(d) for d in (x, scale, shift, out)) + \
-            " (one of float32, bfloat16, float16 for all, or 16-bit x and out around float32" \
-            " scale and shift)"
-    return None
-
-
 def why_not(x: Any, scale: Any, shift: Any, out: Any, norm: Any) -> str | None:
     """None when :func:`modulation_triton` takes tensors with these metadata (``scale``/``shift``
     expanded to x's shape), else a short reason.  Metadata only; never raises."""
@@ -163,7 +152,7 @@ def why_not(x: Any, scale: Any, shift: Any, out: Any, norm: Any) -> str | None:
             return "inputs are not tensors"
         if x.device.type != "cuda" or any(m.device != x.device for m in metas):
             return "not on one CUDA device"
-        why = _why_dtypes(x.dtype, scale.dtype, shift.dtype, out.dtype)
+        why = dtypes_why_not(x.dtype, scale.dtype, shift.dtype, out.dtype)
         if why is not None:
             return why
         if norm not in NORMS:
@@ -212,7 +201,7 @@ def modulation_triton(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
     elif out.shape != x.shape or not out.is_contiguous() or out.device != x.device:
         raise ValueError(f"modulation_triton: out must be contiguous on {x.device} with x's "
                          f"shape {tuple(x.shape)}")
-    why = _why_dtypes(x.dtype, scale.dtype, shift.dtype, out.dtype)
+    why = dtypes_why_not(x.dtype, scale.dtype, shift.dtype, out.dtype)
     if why is not None:
         raise ValueError(f"modulation_triton: {why}")
     if norm not in NORMS:

@@ -47,7 +47,7 @@ import torch
 
 import fxbackend
 from fxbackend import TensorMeta
-from fxbackend.patterns.rope import MODES
+from fxbackend.patterns.rope import MODES, ROUNDINGS
 
 __all__ = ["rope_apply_triton", "RopeApplyCUDA", "MAX_D", "MAX_LEAD_DIMS", "lazy_kernel"]
 
@@ -321,8 +321,8 @@ def rope_apply_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mod
     CUDA device (launched on its current stream), or on the CPU under ``TRITON_INTERPRET=1``.
     Raises ValueError for arguments the kernel does not take.
     """
-    if rounding not in ("once", "each_op"):
-        raise ValueError(f"rope_apply_triton: rounding must be 'once' or 'each_op', got "
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rope_apply_triton: rounding must be one of {ROUNDINGS}, got "
                          f"{rounding!r}")
     for name, t in (("x", x), ("cos", cos), ("sin", sin), ("out", out)):
         if t.dtype not in DTYPES:

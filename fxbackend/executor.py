@@ -13,7 +13,6 @@ copied.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import itertools
 import re
@@ -655,8 +654,6 @@ class Plan:
         the layout the plan's metadata says.  (A rewrite upstream may have changed an input's
         strides, and the result's strides can follow them, as attention's do; then the result
         is copied into planned storage of the recorded layout instead.)"""
-        fake = n.op in _FAKE_LAYOUT_OPS
-
         def val(v: Any) -> Any:
             if isinstance(v, Node):
                 if v in self.scalars:
@@ -664,21 +661,12 @@ class Plan:
                 m = self.metas.get(v)
                 if not isinstance(m, TensorMeta):
                     raise LookupError(f"%{v.id} has no concrete metadata")
-                if fake:
-                    return torch.empty_strided(m.shape, m.stride, dtype=m.dtype,
-                                               device=m.device)
                 return _meta_tensor(m)
-            return _META if isinstance(v, torch.device) and not fake else v
+            return _META if isinstance(v, torch.device) else v
 
-        if fake:
-            from torch._subclasses.fake_tensor import FakeTensorMode
-            mode = FakeTensorMode()
-        else:
-            mode = contextlib.nullcontext()
         try:
-            with mode:
-                a, kw = call_args(n, val, val)
-                out = n.target(*a, **kw)
+            a, kw = call_args(n, val, val)
+            out = _fake_layout_call(n, a, kw) if n.op in _FAKE_LAYOUT_OPS else n.target(*a, **kw)
         except Exception:  # no meta kernel (or a data-dependent input): keep the copy
             return False
         want = self.metas[n]

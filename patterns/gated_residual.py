@@ -51,7 +51,7 @@ import fxbackend
 from fxbackend import TensorMeta, contiguous_strides
 
 from .activation import gemm_into, movable_bias
-from .rmsnorm import is_cast_to
+from .rmsnorm import is_narrowing, is_widening
 
 __all__ = ["gated_residual_reference", "GatedResidualFusion", "ReferenceGatedResidual",
            "DTYPES", "LINEAR_OPS", "EpilogueLayout", "epilogue_layout", "epilogue_why_not",
@@ -233,21 +233,18 @@ def _other(n, prev):
     return n.srcs[1] if n.srcs[0] is prev else n.srcs[0]
 
 
-def _is_widening(n, prev=None) -> bool:
-    """``n`` is ``.float()`` of a bf16/fp16 tensor (of ``prev`` when given), with its shape."""
-    m = _tensor(n)
-    src = n.srcs[0] if n.srcs else None
-    return is_cast_to(n, torch.float32) and (prev is None or src is prev) and \
-        _tensor(src) is not None and src.meta.dtype in DTYPES[1:] and \
+def _is_widened(n, prev=None) -> bool:
+    """``n`` is ``.float()`` of a bf16/fp16 tensor (of ``prev`` when given) in its layout."""
+    m, src = _tensor(n), n.srcs[0] if n.srcs else None
+    return is_widening(n) and (prev is None or src is prev) and \
         tuple(m.shape) == tuple(src.meta.shape) and m.is_contiguous == src.meta.is_contiguous
 
 
-def _is_narrowing(n, prev) -> bool:
-    """``n`` casts the float32 ``prev`` to bf16/fp16, keeping its shape and layout."""
+def _is_narrowed(n, prev) -> bool:
+    """``n`` casts the float32 ``prev`` to bf16/fp16, keeping its shape, both contiguous."""
     m, pm = _tensor(n), _tensor(prev)
-    return pm is not None and pm.dtype == torch.float32 and n.srcs[:1] == [prev] and \
-        (is_cast_to(n, torch.bfloat16) or is_cast_to(n, torch.float16)) and \
-        tuple(m.shape) == tuple(pm.shape) and m.is_contiguous and pm.is_contiguous
+    return n.srcs[:1] == [prev] and is_narrowing(n) and tuple(m.shape) == tuple(pm.shape) \
+        and m.is_contiguous and pm.is_contiguous
 
 
 def _is_gate_mul(n, prev) -> bool:
@@ -379,7 +376,7 @@ class GatedResidualFusion:
             elif not scaled and not widened and _is_scale(nxt, prev):
                 chain.append(nxt)
                 scaled = True
-            elif self.casts and not scaled and not widened and _is_widening(nxt, prev):
+            elif self.casts and not scaled and not widened and _is_widened(nxt, prev):
                 chain.append(nxt)
                 widened = True
             elif len(chain) > 1 and _is_gate_mul(nxt, prev):
@@ -391,7 +388,7 @@ class GatedResidualFusion:
         mul = chain[-1]
         add = next_of(mul)
         widen_r = None
-        if self.casts and add is not None and _is_widening(add):  # matching: graph order
+        if self.casts and add is not None and _is_widened(add):  # matching: graph order
             widen_r, add = add, next_of(add)
         if add is None or not _is_residual_add(add, mul) or \
                 (widen_r is not None and _other(add, mul) is not widen_r):
@@ -399,7 +396,7 @@ class GatedResidualFusion:
         chain += [widen_r, add] if widen_r is not None else [add]
         if self.casts:
             down = next_of(add)
-            if down is not None and _is_narrowing(down, add):
+            if down is not None and _is_narrowed(down, add):
                 chain.append(down)
         return chain
 
@@ -411,7 +408,7 @@ class GatedResidualFusion:
         j = next(j for j in range(1, len(chain)) if _is_gate_mul(chain[j], chain[j - 1]))
         a = j + 1
         widen_r = None
-        if _is_widening(chain[a]) and a + 1 < len(chain) and \
+        if _is_widened(chain[a]) and a + 1 < len(chain) and \
                 _is_residual_add(chain[a + 1], chain[j]):
             widen_r, a = chain[a], a + 1
         return dict(mul=chain[j], y=chain[j - 1], widen_r=widen_r, add=chain[a],
@@ -446,8 +443,8 @@ class GatedResidualFusion:
                 " (float32, bfloat16 or float16)"
         # one dtype, or (casts) a float32 gate multiply and residual add around 16-bit values:
         # widened exactly, every step rounded to float32, the result narrowed once
-        mixed = self.casts and p.compute == p.gate.meta.dtype == torch.float32 and \
-            self._roles(chain)["add"].meta.dtype == torch.float32
+        # (a float32 multiply makes the add float32: the residual adds into it)
+        mixed = self.casts and p.compute == p.gate.meta.dtype == torch.float32
         if len(dtypes) != 1 and not mixed:
             return "dtypes differ: " + ", ".join(f"{k} {m.dtype}" for k, m in metas.items())
         if any(m.is_symbolic for m in metas.values()):
@@ -493,7 +490,7 @@ class GatedResidualFusion:
                     continue
                 r = self._roles(chain)
                 wr = _other(r["add"], r["mul"])
-                if self.casts and wr is not None and _is_widening(wr) and \
+                if self.casts and wr is not None and _is_widened(wr) and \
                         only_user(wr) is r["add"] and not wr.is_output:
                     # the residual's .float() joins the range, just before the add
                     chain.insert(chain.index(r["add"]), wr)

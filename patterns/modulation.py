@@ -60,10 +60,10 @@ import torch
 import fxbackend
 from fxbackend import TensorMeta
 
-from .rmsnorm import RmsNorm, is_cast_to, rms_norm_reference
+from .rmsnorm import RmsNorm, is_narrowing, is_widening, rms_norm_reference
 
 __all__ = ["modulation_reference", "ModulationFusion", "ReferenceModulation", "NORMS",
-           "expanded_meta"]
+           "expanded_meta", "dtypes_why_not"]
 
 NORMS = ("layer", "rms")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -92,6 +92,19 @@ def modulation_reference(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tens
         raise ValueError(f"modulation_reference: norm must be one of {NORMS}, got {norm!r}")
     s = scale if add_c is None else scale + add_c
     return (n * s + shift).contiguous()
+
+
+def dtypes_why_not(x: torch.dtype, scale: torch.dtype, shift: torch.dtype,
+                   out: torch.dtype) -> str | None:
+    """The dtypes a modulation kernel takes: one of float32/bf16/fp16 for all, or a bf16/fp16
+    x (widened in the step) and out (narrowed) around float32 scale and shift; else the
+    reason.  Shared by the CPU and CUDA kernels' ``why_not``."""
+    if any(d not in _DTYPES for d in (x, scale, shift, out)) or shift != scale or \
+            (scale != torch.float32 and (x != scale or out != scale)):
+        return "dtypes " + ", ".join(str(d) for d in (x, scale, shift, out)) + \
+            " (one of float32, bfloat16, float16 for all, or 16-bit x and out around float32" \
+            " scale and shift)"
+    return None
 
 
 def _scalar(v):
@@ -181,18 +194,13 @@ class ModulationFusion:
     #: result (rules extending this one that do not handle them set it False)
     casts = True
 
-    @staticmethod
-    def _is_widening(n) -> bool:
-        """``n`` is ``x.float()`` of a bf16/fp16 ``x``."""
-        return is_cast_to(n, torch.float32) and n.srcs[0].meta.dtype in _DTYPES[1:]
-
     def _match_at(self, nodes, i):
         """The chain starting at ``nodes[i]`` when its nodes are consecutive, as a dict, else
         None: the norm chain (:meth:`_core_at`), with ``casts``, after a widening ``x.float()``
         (``up``; then ``x`` is the 16-bit tensor) and before a cast of the float32 result to
         bf16/fp16 (``down``; ``out`` is the chain's last node either way)."""
         up = None
-        if self.casts and i + 1 < len(nodes) and self._is_widening(nodes[i]) and \
+        if self.casts and i + 1 < len(nodes) and is_widening(nodes[i]) and \
                 nodes[i + 1].srcs[:1] == [nodes[i]]:
             up, i = nodes[i], i + 1
         ch = self._core_at(nodes, i)
@@ -200,9 +208,8 @@ class ModulationFusion:
             return None
         k = i + len(ch["nodes"])
         down = None
-        if self.casts and k < len(nodes) and ch["add"].meta.dtype == torch.float32 and \
-                nodes[k].srcs[:1] == [ch["add"]] and \
-                (is_cast_to(nodes[k], torch.bfloat16) or is_cast_to(nodes[k], torch.float16)):
+        if self.casts and k < len(nodes) and nodes[k].srcs[:1] == [ch["add"]] and \
+                is_narrowing(nodes[k]):
             down = nodes[k]
             k += 1
         first = i - 1 if up is not None else i
@@ -349,7 +356,7 @@ class ModulationFusion:
         n = norm
         chain = [norm]
         src = norm.srcs[0]
-        if self.casts and self._is_widening(src) and only(src) is norm:
+        if self.casts and is_widening(src) and only(src) is norm:
             chain.insert(0, src)
         if norm.op == _LAYER_NORM:
             n = only(norm)
@@ -373,8 +380,7 @@ class ModulationFusion:
             chain += [v] + inner
         chain += [mul, add]
         down = only(add)
-        if self.casts and down is not None and add.meta.dtype == torch.float32 and \
-                (is_cast_to(down, torch.bfloat16) or is_cast_to(down, torch.float16)):
+        if self.casts and down is not None and is_narrowing(down):
             chain.append(down)
         return chain
 

@@ -35,7 +35,8 @@ import torch
 import fxbackend
 from fxbackend import TensorMeta
 
-__all__ = ["RmsNorm", "RmsNormIdiom", "rms_norm_reference", "rms_norm_out_dtype", "is_cast_to"]
+__all__ = ["RmsNorm", "RmsNormIdiom", "rms_norm_reference", "rms_norm_out_dtype", "is_cast_to",
+           "is_widening", "is_narrowing"]
 
 _X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _HALF = (torch.bfloat16, torch.float16)
@@ -132,6 +133,16 @@ def is_cast_to(n, dtype) -> bool:
         and p.get("memory_format") in (None, torch.preserve_format) \
         and p.get("layout") in (None, torch.strided) \
         and (p.get("device") is None or torch.device(p["device"]) == n.srcs[0].meta.device)
+
+
+def is_widening(n) -> bool:
+    """``n`` is ``.float()`` of a bf16/fp16 tensor (:func:`is_cast_to` float32)."""
+    return is_cast_to(n, torch.float32) and n.srcs[0].meta.dtype in _HALF
+
+
+def is_narrowing(n) -> bool:
+    """``n`` casts a float32 tensor to bf16/fp16 (:func:`is_cast_to`)."""
+    return any(is_cast_to(n, d) for d in _HALF) and n.srcs[0].meta.dtype == torch.float32
 
 
 def _scalar(n, key="other"):
