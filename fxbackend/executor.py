@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from . import registry, stats
-from .ir import Graph, Node, ScalarMeta, TensorMeta, contiguous_strides, storage_root
+from .ir import Graph, Node, ScalarMeta, TensorMeta, contiguous_strides, node_deps, storage_root
 from .lower import SYM_OPS
 from .concat import ConcatPlan, elide_identity_cats, elide_identity_clones, plan_concat
 from .fold import fold_constants
@@ -225,6 +225,15 @@ _COPY_OPS = ("aten._to_copy.default", "aten.clone.default")
 #: the meta device: the meta device's convolution returns NCHW for a channels-last input, while
 #: the CPU's returns channels-last (as the fake implementation, which Dynamo recorded, says)
 _FAKE_LAYOUT_OPS = frozenset({"aten.convolution.default"})
+
+
+def _weight_key(t: torch.Tensor) -> Any:
+    """``(data_ptr, version)`` of a weight, to tell whether a value derived from it is stale;
+    a new object (never equal) for a tensor without a version counter (inference mode)."""
+    try:
+        return t.data_ptr(), t._version
+    except RuntimeError:
+        return object()
 
 
 def _map_tree(v: Any, f) -> Any:
@@ -466,7 +475,12 @@ class Plan:
         self.profiled_calls = 0
         #: native steps whose op has no ``.out`` overload: their own result is the value
         self._bound = self._bound_results()
-        unread = self._unread_outputs() | {k for n in self._bound for k in self._keys_of(n)}
+        #: native steps computed from weights alone, kept between calls (``_weight_derived``)
+        self.cached = self._weight_derived()
+        self._cache_cells: dict = {}
+        self._bound -= set(self.cached)
+        unread = self._unread_outputs() | {k for n in (*self._bound, *self.cached)
+                                           for k in self._keys_of(n)}
         #: parts of concatenations that their producers write in place (fxbackend.concat)
         self.concat = (plan_concat(self.graph, self.metas.__getitem__,
                                    lambda n: self.kernels.get(n) is registry.NATIVE,
@@ -510,6 +524,7 @@ class Plan:
         stats.bump("identity_cats", self.identity_cats)
         stats.bump("identity_clones", self.identity_clones)
         stats.bump("constants_folded", self.folded)
+        stats.bump("weight_steps_cached", len(self.cached))
         if options.dump:
             print(f"[fxbackend] {name}: {self.memory.summary()}, "
                   f"workspace {self.workspace_bytes / 2**20:.2f} MB", file=sys.stderr)
@@ -638,11 +653,61 @@ class Plan:
                 bound.add(n)
         return bound
 
+    def _weight_derived(self) -> dict:
+        """Native steps whose value depends on weights alone (weight inputs, constants and
+        plan-time numbers, through views and other such steps): ``{step: [weight inputs]}``.
+
+        Such a step (a weight's channels-last copy for a convolution, a weight cast to another
+        dtype) is computed on the first call and again only when one of its weights changes:
+        the step function compares ``(data_ptr(), _version)`` of each weight with those the
+        value was computed from (an in-place ``copy_``, e.g. a LoRA fuse, bumps the version; a
+        new tensor has another address).  A tensor created in inference mode has no version
+        counter: its steps run on every call.  The value is the op's own result, held by the
+        plan (not arena storage).  Left per call: seeded-random ops, in-place and
+        multi-output steps, results that are returned or written in place, steps whose op
+        does not return the planned layout, and every step under ``cuda_graphs`` (a replay
+        could not skip or redo it)."""
+        if self.options.cuda_graphs:
+            return {}
+        g = self.graph
+        written = {storage_root(n) for n in g.nodes if n.inplace_of is not None}
+        returned = {storage_root(o) for o in g.outputs if isinstance(o, Node)}
+        roots: dict[Node, frozenset] = {}
+        cached: dict[Node, list] = {}
+        for n in g.nodes:
+            if n.is_input:
+                if n.is_weight and n not in self.scalars and n not in written:
+                    roots[n] = frozenset([n])
+                elif n in self.scalars:
+                    roots[n] = frozenset()
+                continue
+            if n.op == "constant" or n.op in SYM_OPS or (n.is_scalar and n in self.scalars):
+                roots[n] = frozenset()
+                continue
+            deps = node_deps(n)
+            if not all(d in roots for d in deps) or self.kernels.get(n) is not registry.NATIVE \
+                    or n.inplace_of is not None or not isinstance(n.target, torch._ops.OpOverload)\
+                    or torch.Tag.nondeterministic_seeded in n.target.tags:
+                continue
+            mine = frozenset().union(*(roots[d] for d in deps))
+            if n.view_of is not None:
+                roots[n] = mine
+                continue
+            m = self.metas.get(n)
+            if not mine or not isinstance(m, TensorMeta) or m.is_symbolic or \
+                    storage_root(n) in returned or storage_root(n) in written or \
+                    not self._meta_result_matches(n):
+                continue
+            roots[n] = mine
+            cached[n] = sorted(mine, key=lambda w: g.inputs.index(w))
+        return cached
+
     def _writes_strided(self, n: Node) -> bool:
         """``n``'s step writes correctly into an output of any strides: a native op through its
         ``.out`` overload, an extension kernel or fusion rule declaring ``strided_out = True``."""
         k = self.kernels.get(n)
-        if k is None or n in self._bound or isinstance(self.metas[n], tuple):
+        if k is None or n in self._bound or n in self.cached or \
+                isinstance(self.metas[n], tuple):
             return False
         if k is registry.NATIVE:
             return n.op != _COPY_OP and isinstance(n.target, torch._ops.OpOverload) and (
@@ -700,7 +765,7 @@ class Plan:
     def _build(self) -> None:
         g = self.graph
         self._by_id = {n.id: n for n in g.nodes}
-        ns: dict[str, Any] = {"empty_strided": torch.empty_strided}
+        ns: dict[str, Any] = {"empty_strided": torch.empty_strided, "_wkey": _weight_key}
         consts: dict[int, str] = {}
         counter = itertools.count()
 
@@ -830,6 +895,22 @@ class Plan:
                     return
                 if n.is_scalar or n.meta is None:
                     bind_result(n, kernel)
+                    return
+                if n in self.cached:
+                    # computed again only when a weight it reads changed (_weight_derived)
+                    a, kw = call_args(n, src_of, value_of)
+                    self._cache_cells[n] = cells = [None, None]  # [weights' keys, value]
+                    cell = const(cells)
+                    key = "(" + "".join(f"_wkey({expr[w].src}), " for w in self.cached[n]) + ")"
+                    lines.append(f"_k = {key}")
+                    lines.append(f"if _k != {cell.src}[0]:")
+                    lines.append(f"    {cell.src}[1] = {const(n.target._op).src}("
+                                 f"{self._args_src(a, kw)})")
+                    lines.append(f"    {cell.src}[0] = _k")
+                    lines.append(f"v{n.id} = {cell.src}[1]")
+                    expr[n] = _Code(f"v{n.id}")
+                    holders.setdefault((n.id, None), []).append(f"v{n.id}")
+                    self.step_counts[kernel.name] += 1
                     return
                 if n in self._bound:
                     a, kw = call_args(n, src_of, value_of)
@@ -1194,6 +1275,11 @@ class Plan:
                  else "; no copy"))
         if self.folded:
             lines.append(f"constant steps folded at plan time: {self.folded}")
+        if self.cached:
+            nbytes = sum(self.metas[n].span_bytes for n in self.cached)
+            lines.append(f"steps computed from weights alone, kept between calls: "
+                         f"{len(self.cached)} ({nbytes / 2**20:.2f} MB): " +
+                         ", ".join(f"%{n.id}" for n in self.cached))
         if self.identity_cats or self.identity_clones:
             lines.append(f"copies elided (readers read the source): {self.identity_cats} "
                          f"concatenation(s) of slices, {self.identity_clones} clone(s)")

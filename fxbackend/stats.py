@@ -75,14 +75,16 @@ def stats() -> dict[str, Any]:
     ``concurrent_regions`` (fork/join regions whose branches run side by side, summed over
     plans built), ``concat_parts_in_place`` (parts of concatenations their producers write in
     place), ``identity_cats`` (cats of slices elided), ``identity_clones`` (clones of values
-    already in the clone's layout elided) and ``constants_folded`` (steps that read no input,
-    computed once when the plan was built), summed over plans built.
+    already in the clone's layout elided), ``constants_folded`` (steps that read no input,
+    computed once when the plan was built) and ``weight_steps_cached`` (steps computed from
+    weights alone, kept between calls until a weight changes), summed over plans built.
     """
     with _lock:
         out: dict[str, Any] = {k: _counters.get(k, 0) for k in (
             "graphs_compiled", "nodes_lowered", "fallback_graphs", "plans_built", "replans",
             "arena_bytes", "intermediate_bytes", "workspace_bytes", "concurrent_regions",
-            "concat_parts_in_place", "identity_cats", "identity_clones", "constants_folded")}
+            "concat_parts_in_place", "identity_cats", "identity_clones", "constants_folded",
+            "weight_steps_cached")}
         steps: Counter = Counter()
         fusions: Counter = Counter()
         copies = 0
