@@ -9,4 +9,5 @@ from . import quantize  # noqa: F401,E402  (the quantize option; its ops come fr
 from . import attention  # noqa: F401,E402  (the attention_dtype option)
 from . import identity  # noqa: F401,E402  (multiplications/divisions by 1 dropped)
 from . import conv_layout  # noqa: F401,E402  (patch-embedding convolutions in channels-last)
+from . import channels_last  # noqa: F401,E402  (16-bit convolutional networks channels-last)
 from . import upsample  # noqa: F401,E402  (nearest upsampling by index -> upsample_nearest2d)

@@ -58,7 +58,7 @@ from fxbackend.concat import POINTWISE_OPS
 from fxbackend.ir import storage_root
 from fxbackend.rewrite import AtenBuilder, result_meta
 
-__all__ = ["ConvChannelsLast", "CONV_OP", "channels_last_strides"]
+__all__ = ["ConvChannelsLast", "CONV_OP", "channels_last_strides", "is_cpu_conv2d"]
 
 CONV_OP = "aten.convolution.default"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -68,6 +68,18 @@ def channels_last_strides(shape) -> tuple:
     """Strides of a dense channels-last (NHWC) tensor of 4-D ``shape`` ``[N, C, H, W]``."""
     n, c, h, w = shape
     return (h * w * c, 1, w * c, c)
+
+
+def is_cpu_conv2d(conv: Node, dtypes: tuple) -> bool:
+    """``conv`` is a 2-D, not transposed, statically shaped CPU ``aten.convolution`` of one of
+    ``dtypes`` whose input is a 4-D tensor."""
+    m = conv.meta
+    if conv.op != CONV_OP or not isinstance(m, TensorMeta) or m.is_symbolic or \
+            len(m.shape) != 4 or m.device.type != "cpu" or m.dtype not in dtypes or \
+            conv.params.get("transposed") or not conv.srcs:
+        return False
+    x = conv.srcs[0].meta
+    return isinstance(x, TensorMeta) and len(x.shape) == 4 and not x.is_symbolic
 
 
 def _pointwise_1x1(conv: Node) -> bool:
@@ -119,13 +131,7 @@ class ConvChannelsLast:
 
     @staticmethod
     def _eligible(conv: Node) -> bool:
-        m = conv.meta
-        if conv.op != CONV_OP or not isinstance(m, TensorMeta) or m.is_symbolic or \
-                len(m.shape) != 4 or m.device.type != "cpu" or m.dtype not in _DTYPES:
-            return False
-        x = conv.srcs[0].meta if conv.srcs else None
-        return isinstance(x, TensorMeta) and len(x.shape) == 4 and x.is_contiguous and \
-            not conv.params.get("transposed")
+        return is_cpu_conv2d(conv, _DTYPES) and conv.srcs[0].meta.is_contiguous
 
     def rewrite(self, graph, ctx) -> int:
         users = graph.users()

@@ -20,6 +20,11 @@ bit-identical.  Small UNet, ``[1, 256, 20, 20]`` to 40 x 40, one thread
 loop's 0.62 ms; 2.5-3.5x the gather on SD1.5's shapes, behind Inductor on 8x8 maps (0.70 vs
 0.51 ms: copies of 8-float rows).
 
+A channels-last image (``channels_last_convs`` lays 16-bit UNets out so) upsampled into a
+channels-last result is one copy instead: ``[B, H, W, C]`` in memory, each pixel's channel row
+repeated along the row and each row repeated (``[B, H, 1, W, 1, C]`` expanded to ``[B, H, fh,
+W, fw, C]``), the result its channels-last ``[B, C, H * fh, W * fw]`` view.
+
 CPU only: in 2-D the copies move 1.5x the gather's bytes, which a GPU's gather kernel may well
 beat; that is unmeasured, so the rule leaves other devices alone.  Declined, with the reason in
 the plan's report: a result not in the default (contiguous) layout, indices that read an input,
@@ -79,6 +84,29 @@ def _upsample(make: AtenBuilder, x: Node, factors: list) -> Node:
     return out
 
 
+def _upsample_channels_last(make: AtenBuilder, x: Node, factors: list) -> Node:
+    """``x`` (channels-last ``[B, C, H, W]`` metadata: ``[B, H, W, C]`` in memory) upsampled
+    by ``(fh, fw)`` in one copy: each pixel's channel row repeated ``fw`` times along the row
+    and each row ``fh`` times (``[B, H, 1, W, 1, C]`` expanded to ``[B, H, fh, W, fw, C]``),
+    returned as the channels-last ``[B, C, H * fh, W * fw]`` view of it."""
+    b, c, h, w = x.meta.shape
+    fh, fw = factors
+    rows = make("permute", [x], {"dims": [0, 2, 3, 1]})
+    u = make("unsqueeze", [make("unsqueeze", [rows], {"dim": 3})], {"dim": 2})
+    e = make("expand", [u], {"size": [b, h, fh, w, fw, c]})
+    out = make("clone", [e], {"memory_format": torch.contiguous_format})
+    out = make("view", [out], {"size": [b, h * fh, w * fw, c]})
+    return make("permute", [out], {"dims": [0, 3, 1, 2]})
+
+
+def _channels_last(m: TensorMeta) -> bool:
+    if len(m.shape) != 4 or m.storage_offset:
+        return False
+    n, c, h, w = m.shape
+    want = (h * w * c, 1, w * c, c)
+    return all(size <= 1 or a == b for size, a, b in zip(m.shape, m.stride, want))
+
+
 class IndexUpsample:
     """Rewrite rule ``index_upsample`` (see the module docstring)."""
 
@@ -99,9 +127,10 @@ class IndexUpsample:
                     len(mx.shape) != len(spec) or mx.is_symbolic or mn.is_symbolic or \
                     mx.device.type != "cpu":
                 continue
-            if not mn.is_contiguous:
-                ctx.decline(n, "the result is not contiguous (the copies write the default "
-                               "layout)")
+            nhwc = _channels_last(mx) and _channels_last(mn) and not mn.is_contiguous
+            if not mn.is_contiguous and not nhwc:
+                ctx.decline(n, "the result is neither contiguous nor a channels-last image "
+                               "upsampled from one (the copies write one of those layouts)")
                 continue
             indices = [ctx.constant(i) for i in idx_nodes]
             if any(i is None for i in indices):
@@ -113,7 +142,8 @@ class IndexUpsample:
                 ctx.decline(n, "the indices are not a nearest-neighbour upsampling by integer "
                                "factors")
                 continue
-            fxbackend.replace_uses(graph, n, _upsample(AtenBuilder(graph, n), x, factors))
+            build = _upsample_channels_last if nhwc else _upsample
+            fxbackend.replace_uses(graph, n, build(AtenBuilder(graph, n), x, factors))
             count += 1
         return count
 

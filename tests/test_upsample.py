@@ -105,12 +105,12 @@ def test_channels_last_input(no_grad):
     assert rewrites("index_upsample") == 1 and _GATHER not in _ops(c, [x])
 
 
-def _gather_graph(result_stride, device="cpu"):
+def _gather_graph(result_stride, device="cpu", x_stride=(24, 12, 4, 1)):
     """A hand-built graph: ``_unsafe_index(x, [None, None, rows, cols])`` of a 1x2x3x4 input
-    by constant 2x upsampling indices, with the result metadata's strides given."""
+    by constant 2x upsampling indices, with the input's and the result's strides given."""
     from fxbackend.ir import Graph, TensorMeta
     g = Graph()
-    xm = TensorMeta((1, 2, 3, 4), (24, 12, 4, 1), torch.float32, torch.device(device), 0)
+    xm = TensorMeta((1, 2, 3, 4), x_stride, torch.float32, torch.device(device), 0)
     x = g.append(g.new_node("input", meta=xm, is_input=True))
     idx = []
     for value in (torch.arange(6)[:, None] // 2, torch.arange(8) // 2):
@@ -127,19 +127,45 @@ def _gather_graph(result_stride, device="cpu"):
     return g
 
 
-@pytest.mark.parametrize("stride,fires", [((96, 48, 8, 1), True), ((96, 1, 16, 2), False)])
-def test_result_layout(stride, fires):
-    """A result with channels-last strides is declined (the copies write NCHW)."""
+_NCHW, _NHWC = (24, 12, 4, 1), (24, 1, 8, 2)
+
+
+@pytest.mark.parametrize("x_stride,stride,fires", [
+    (_NCHW, (96, 48, 8, 1), True), (_NCHW, (96, 1, 16, 2), False),
+    (_NHWC, (96, 48, 8, 1), True), (_NHWC, (96, 1, 16, 2), True)])
+def test_result_layout(x_stride, stride, fires):
+    """A contiguous result is written by the NCHW copies (from x of any layout); a
+    channels-last result of a channels-last x by one NHWC copy; a channels-last result of an
+    NCHW x is declined."""
     from fxbackend.patterns.upsample import IndexUpsample
     from fxbackend.rewrite import RewriteContext
-    g = _gather_graph(stride)
+    g = _gather_graph(stride, x_stride=x_stride)
+    want = g.outputs[0].meta
     ctx = RewriteContext(options=None, rule="index_upsample")
     assert IndexUpsample().rewrite(g, ctx) == int(fires)
-    assert (g.outputs[0].op == _GATHER) != fires
+    out = g.outputs[0]
+    assert (out.op == _GATHER) != fires
     if not fires:
-        assert ctx.declined and "not contiguous" in ctx.declined[0][2]
-    else:
-        assert g.outputs[0].op == "aten.view.default" and g.outputs[0].meta.shape == (1, 2, 6, 8)
+        assert ctx.declined and "neither contiguous" in ctx.declined[0][2]
+        return
+    assert out.meta.shape == (1, 2, 6, 8) and out.meta.stride == want.stride
+    assert out.op == ("aten.view.default" if stride == (96, 48, 8, 1) else
+                      "aten.permute.default")
+    # values: run the rewritten graph's nodes with torch on a real x
+    x = torch.randn(1, 3, 4, 2).permute(0, 3, 1, 2) if x_stride == _NHWC \
+        else torch.randn(1, 2, 3, 4)
+    vals = {g.nodes[0]: x}
+    for n in g.nodes[1:]:
+        if n.op == "constant":
+            vals[n] = n.annotations["value"]
+        else:
+            from fxbackend.native import call_args
+            a, kw = call_args(n, vals.__getitem__, lambda v: v)
+            vals[n] = n.target(*a, **kw)
+    assert torch.equal(vals[out], F.interpolate(x, scale_factor=2, mode="nearest"))
+    assert tuple(vals[out].stride()) == tuple(want.stride)
+    assert sum(n.op == "aten.clone.default" for n in g.nodes) == \
+        (1 if x_stride == _NHWC and stride != (96, 48, 8, 1) else 2)
 
 
 def test_other_devices_are_left_alone():

@@ -1,0 +1,162 @@
+"""The ``channels_last_convs`` rewrite (patterns/channels_last.py): 16-bit CPU convolutional
+networks run channels-last, their weights' copies kept between calls, and the caller still gets
+eager's layout and values."""
+from __future__ import annotations
+
+import pytest
+import torch
+from expecttest import assert_expected_inline
+
+import fxbackend
+from fxbackend.patterns.channels_last import is_channels_last
+from fxbackend.patterns.conv_layout import CONV_OP
+
+from conftest import capture, rewrites
+
+pytestmark = pytest.mark.usefixtures("no_grad")
+
+
+class _ResBlock(torch.nn.Module):
+    """conv_in -> GroupNorm -> SiLU -> conv -> + residual -> GroupNorm -> conv_out, as a UNet's
+    ResnetBlock2D between its input and output convolutions."""
+
+    def __init__(self, c: int = 16) -> None:
+        super().__init__()
+        self.conv_in = torch.nn.Conv2d(4, c, 3, padding=1)
+        self.norm1 = torch.nn.GroupNorm(4, c)
+        self.conv = torch.nn.Conv2d(c, c, 3, padding=1)
+        self.norm2 = torch.nn.GroupNorm(4, c)
+        self.conv_out = torch.nn.Conv2d(c, 4, 3, padding=1)
+
+    def forward(self, x):
+        h = self.conv_in(x)
+        y = self.conv(torch.nn.functional.silu(self.norm1(h)))
+        return self.conv_out(self.norm2(h + y))
+
+
+def _model(dtype):
+    torch.manual_seed(0)
+    return _ResBlock().to(dtype)
+
+
+def _plan_of(graphs):
+    (g,) = graphs
+    (plan,) = [g._static] if g._static is not None else list(g.plans.values())
+    return plan
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_convolutional_block_runs_channels_last(dtype):
+    model = _model(dtype)
+    x = torch.randn(1, 4, 8, 8).to(dtype)
+    torch._dynamo.reset()
+    fxbackend.reset_stats()
+    with fxbackend.record_graphs() as graphs:
+        c = torch.compile(model, backend="fxbackend")
+        out = c(x)
+    assert rewrites("channels_last_convs") == 3
+    plan = _plan_of(graphs)
+    convs = [n for n in plan.graph.nodes if n.op == CONV_OP]
+    assert len(convs) == 3
+    for conv in convs:  # input, weight and result channels-last
+        assert all(is_channels_last(plan.metas[s]) for s in conv.srcs[:2])
+        assert is_channels_last(plan.metas[conv])
+    # the three weight copies are kept between calls; the GroupNorm -> SiLU still fuses
+    assert sorted(n.srcs[0].op for n in plan.cached) == ["input"] * 3
+    assert fxbackend.stats()["fusions_by_rule"].get("group_norm_silu") == 1
+    # eager's layout and values: the convolutions are bit-identical in channels-last; the
+    # GroupNorms' float32 statistics are summed in another order over channels-last data
+    want = model(x)
+    assert out.is_contiguous() and out.shape == want.shape
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+    # a weight updated in place (a LoRA fuse) is seen: its copy is redone
+    model.conv.weight.mul_(-1)
+    torch.testing.assert_close(c(x), model(x), rtol=2e-2, atol=2e-2)
+
+
+def test_float32_is_left_alone():
+    model = _model(torch.float32)
+    x = torch.randn(1, 4, 8, 8)
+    torch._dynamo.reset()
+    fxbackend.reset_stats()
+    torch.testing.assert_close(torch.compile(model, backend="fxbackend")(x), model(x))
+    assert rewrites("channels_last_convs") == 0
+
+
+def test_rule_can_be_disabled_and_then_matches_eager_bit_for_bit():
+    model = _model(torch.bfloat16)
+    x = torch.randn(1, 4, 8, 8).to(torch.bfloat16)
+    torch._dynamo.reset()
+    fxbackend.reset_stats()
+    out = torch.compile(model, backend="fxbackend",
+                        options={"disable_rewrites": ["channels_last_convs"],
+                                 "fusion": False})(x)
+    assert rewrites("channels_last_convs") == 0
+    assert torch.equal(out, model(x))
+
+
+def _bf16_args(*shapes):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(*shape, generator=g).bfloat16() for shape in shapes]
+
+
+def _conv_view(x, w, w2):
+    """A convolution whose result is read by a view that needs NCHW strides (channels merged
+    with rows) and by another convolution."""
+    y = torch.nn.functional.conv2d(x, w, padding=1)
+    rows = y.view(1, 32, 4).softmax(-1)
+    return rows, torch.nn.functional.conv2d(y, w2)
+
+
+def test_view_that_needs_the_old_layout_reads_a_copy():
+    args = _bf16_args((1, 4, 4, 4), (8, 4, 3, 3), (2, 8, 1, 1))
+    fxbackend.reset_stats()
+    c = capture(_conv_view, *args)  # bit for bit eager's (checked by capture)
+    assert rewrites("channels_last_convs") == 2
+    plan = c.graph.plan_for(args)
+    view = next(n for n in plan.graph.nodes if n.op == "aten.view.default")
+    back = view.srcs[0]
+    assert back.op == "aten.clone.default" and back.srcs[0].op == CONV_OP
+    assert back.params["memory_format"] == torch.contiguous_format
+    # both outputs have eager's layouts
+    assert all(o.is_contiguous() for o in c.out)
+    assert_expected_inline(plan.graph.format(), """\
+%0 = input : bf16[1,4,4,4]
+%1 = input : bf16[8,4,3,3]
+%2 = input : bf16[2,8,1,1]
+%7 = aten.clone.default(%0) {memory_format=channels_last} : bf16[1,4,4,4]{64,1,16,4}
+%8 = aten.clone.default(%1) {memory_format=channels_last} : bf16[8,4,3,3]{36,1,12,4}
+%3 = aten.convolution.default(%7, %8) {stride=[1, 1], padding=[1, 1], dilation=[1, 1], transposed=False, output_padding=[0, 0], groups=1} : bf16[1,8,4,4]{128,1,32,8}
+%9 = aten.clone.default(%3) {memory_format=contiguous_format} : bf16[1,8,4,4]
+%4 = aten.view.default(%9) {size=[1, 32, 4]} : bf16[1,32,4]  # view_of=%9
+%5 = aten._softmax.default(%4) {dim=-1, half_to_float=False} : bf16[1,32,4]  # output
+%6 = aten.convolution.default(%3, %2) {stride=[1, 1], padding=[0, 0], dilation=[1, 1], transposed=False, output_padding=[0, 0], groups=1} : bf16[1,2,4,4]{32,1,8,2}
+%10 = aten.clone.default(%6) {memory_format=contiguous_format} : bf16[1,2,4,4]  # output
+return (%5, %10)""")
+
+
+def _conv_upsample_conv(x, w1, w2):
+    """A UNet decoder stage: convolution, nearest 2x upsampling (diffusers' ``Upsample2D``
+    upsamples bf16 in float32), convolution."""
+    y = torch.nn.functional.conv2d(x, w1, padding=1)
+    up = torch.nn.functional.interpolate(y.float(), scale_factor=2, mode="nearest")
+    return torch.nn.functional.conv2d(up.to(x.dtype), w2, padding=1)
+
+
+def test_upsampling_between_convolutions_is_one_channels_last_copy():
+    args = _bf16_args((1, 4, 4, 4), (8, 4, 3, 3), (4, 8, 3, 3))
+    fxbackend.reset_stats()
+    c = capture(_conv_upsample_conv, *args)  # bit for bit eager's (checked by capture)
+    assert rewrites("channels_last_convs") == 2 and rewrites("index_upsample") == 1
+    plan = c.graph.plan_for(args)
+    nodes = plan.graph.nodes
+    assert not any(n.op == "aten._unsafe_index.Tensor" for n in nodes)
+    # the float32 image, its upsampled copy and the cast back stay channels-last: no copy
+    # back to NCHW or into channels-last between the two convolutions (the second weight's
+    # channels-last copy is there, kept between calls)
+    convs = [n for n in nodes if n.op == CONV_OP]
+    between = nodes[nodes.index(convs[0]) + 1: nodes.index(convs[1])]
+    copies = [n for n in between if n.op == "aten.clone.default" and not n.srcs[0].is_input]
+    assert len(copies) == 1 and plan.metas[copies[0]].shape == (1, 4, 2, 4, 2, 8)
+    assert all(is_channels_last(plan.metas[n]) for n in between
+               if n.op == "aten._to_copy.default")
