@@ -40,7 +40,7 @@ import torch
 
 import fxbackend
 from fxbackend import Node, TensorMeta, contiguous_strides
-from fxbackend.native import call_args
+from fxbackend.native import call_args, out_is_copy, out_overload
 from fxbackend.rewrite import AtenBuilder
 
 from .conv_layout import channels_last_strides, is_cpu_conv2d
@@ -56,6 +56,7 @@ _STRIDED_OPS = frozenset({"aten.as_strided.default", "aten.as_strided_copy.defau
 _DENSE_INPUT_OPS = frozenset({"aten.native_group_norm.default"})
 #: nearest upsampling, decomposed: a channels-last image upsamples into a channels-last result
 _GATHER_OP = "aten._unsafe_index.Tensor"
+_COPY_OPS = ("aten._to_copy.default", "aten.clone.default")
 
 
 def _same_strides(shape, a, b) -> bool:
@@ -67,6 +68,26 @@ def is_channels_last(m) -> bool:
     return isinstance(m, TensorMeta) and not m.is_symbolic and len(m.shape) == 4 and \
         m.storage_offset == 0 and \
         _same_strides(m.shape, m.stride, channels_last_strides(m.shape))
+
+
+def _canonical(m) -> bool:
+    """``m`` has exactly the strides of a dense channels-last tensor, size-1 dims included:
+    torch's memory-format rule (a convolution's, a GroupNorm's) does not take a batch of one
+    whose stride is smaller than the image's for channels-last, as ATen's elementwise ops
+    can give it (the batch dim ordered between the channels and the width)."""
+    return isinstance(m, TensorMeta) and len(m.shape) == 4 and m.storage_offset == 0 and \
+        tuple(m.stride) == channels_last_strides(m.shape)
+
+
+def _writes_planned(n: Node) -> bool:
+    """The plan writes ``n``'s result into storage laid out as its metadata says (a native op
+    with a ``.out`` kernel of its own, or a copy), so its strides on size-1 dims are ours to
+    choose."""
+    t = n.target
+    if n.view_of is not None or n.inplace_of is not None or \
+            not isinstance(t, torch._ops.OpOverload):
+        return False
+    return n.op in _COPY_OPS or (out_overload(t) is not None and not out_is_copy(t, "cpu"))
 
 
 def _same_layout(a, b) -> bool:
@@ -135,9 +156,9 @@ class ChannelsLastConvs:
             for n in graph.nodes:
                 if n in convs:
                     srcs = {}
-                    for role, s in (("x", n.srcs[0]), ("w", n.srcs[1])):
+                    for s in n.srcs[:2]:
                         m = new.get(s, s.meta)
-                        if not is_channels_last(m):
+                        if not _canonical(m):
                             copies.append(("cl", s, n))
                             m = _cl(m)
                         srcs[s] = fake(s, m)
@@ -170,7 +191,12 @@ class ChannelsLastConvs:
                     for s in changed:
                         self._restorable(s)
                         copies.append(("back", s, n))
-                elif not _same_layout(m, n.meta):
+                    continue
+                if isinstance(m, TensorMeta) and is_channels_last(m) and not _canonical(m) \
+                        and _writes_planned(n):
+                    m = _cl(m)
+                if not _same_layout(m, n.meta) or (isinstance(m, TensorMeta) and
+                                                   _canonical(m) and not _canonical(n.meta)):
                     new[n] = m
         for o in graph.outputs:
             if isinstance(o, Node) and o in new:

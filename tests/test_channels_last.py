@@ -131,8 +131,8 @@ def test_view_that_needs_the_old_layout_reads_a_copy():
 %4 = aten.view.default(%9) {size=[1, 32, 4]} : bf16[1,32,4]  # view_of=%9
 %5 = aten._softmax.default(%4) {dim=-1, half_to_float=False} : bf16[1,32,4]  # output
 %6 = aten.convolution.default(%3, %2) {stride=[1, 1], padding=[0, 0], dilation=[1, 1], transposed=False, output_padding=[0, 0], groups=1} : bf16[1,2,4,4]{32,1,8,2}
-%10 = aten.clone.default(%6) {memory_format=contiguous_format} : bf16[1,2,4,4]  # output
-return (%5, %10)""")
+%11 = aten.clone.default(%6) {memory_format=contiguous_format} : bf16[1,2,4,4]  # output
+return (%5, %11)""")
 
 
 def _conv_upsample_conv(x, w1, w2):

@@ -100,7 +100,10 @@ def test_16bit_models_fused_match_unfused_and_eager(family, dtype):
         assert st["fusions_by_rule"]["modulation"] == 4
         assert st["fusions_by_rule"]["gated_residual"] == 4
     torch._dynamo.reset()
-    _, unfused, _ = eager_and_compiled(family, dtype=dtype, options={"fusion": False})
+    # unfused and in eager's layouts (the UNet's convolutions run channels-last otherwise,
+    # where torch's own GroupNorm sums in another order: fp16 1.6e-3 from eager)
+    _, unfused, _ = eager_and_compiled(family, dtype=dtype, options={
+        "fusion": False, "disable_rewrites": ["channels_last_convs"]})
     assert out.dtype == dtype
     assert fxbackend.stats()["fusions_by_rule"]  # the fused run fused something
     assert _rel_err(unfused, ref) == 0.0  # native steps: the same kernels as eager
