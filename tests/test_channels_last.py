@@ -160,3 +160,30 @@ def test_upsampling_between_convolutions_is_one_channels_last_copy():
     assert len(copies) == 1 and plan.metas[copies[0]].shape == (1, 4, 2, 4, 2, 8)
     assert all(is_channels_last(plan.metas[n]) for n in between
                if n.op == "aten._to_copy.default")
+
+
+def _temb_norm_proj(x, w, temb, gw, gb, w1):
+    """A ResnetBlock's time-embedding add (a [1, C, 1, 1] broadcast: ATen may order the batch
+    dim of a batch of one between channels and width), a GroupNorm, a 1x1 projection."""
+    y = torch.nn.functional.conv2d(x, w, padding=1) + temb[:, :, None, None]
+    h = torch.nn.functional.group_norm(y, 2, gw, gb)
+    return torch.nn.functional.conv2d(h, w1)
+
+
+def test_batch_of_one_gets_exact_channels_last_strides():
+    args = _bf16_args((1, 4, 6, 6), (8, 4, 3, 3), (1, 8), (8,), (8,), (8, 8, 1, 1))
+    fxbackend.reset_stats()
+    c = capture(_temb_norm_proj, *args, exact=False, rtol=2e-2, atol=2e-2)
+    assert rewrites("channels_last_convs") == 2
+    plan = c.graph.plan_for(args)
+    for conv in (n for n in plan.graph.nodes if n.op == CONV_OP):
+        assert is_channels_last(plan.metas[conv])
+        x = plan.metas[conv.srcs[0]]
+        assert tuple(x.stride) == (x.shape[1] * x.shape[2] * x.shape[3], 1,
+                                   x.shape[1] * x.shape[3], x.shape[1])
+        # the layout the plan expects is the one the kernel returns: no copy of the result
+        assert conv in plan._bound
+    # only the network's input is copied into channels-last (weights aside)
+    cl = [n for n in plan.graph.nodes if n.op == "aten.clone.default" and
+          n.params.get("memory_format") == torch.channels_last and not n.srcs[0].is_input]
+    assert not cl
