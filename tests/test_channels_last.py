@@ -187,3 +187,22 @@ def test_batch_of_one_gets_exact_channels_last_strides():
     cl = [n for n in plan.graph.nodes if n.op == "aten.clone.default" and
           n.params.get("memory_format") == torch.channels_last and not n.srcs[0].is_input]
     assert not cl
+
+
+def test_saved_plan_replays_and_sees_weight_updates(tmp_path):
+    """A saved plan is rewritten again when loaded: channels-last, its weights' copies kept,
+    and ``update_weights`` (in place) seen by the next call."""
+    model = _model(torch.bfloat16)
+    x = torch.randn(1, 4, 8, 8).to(torch.bfloat16)
+    plan = fxbackend.export(model, (x,))
+    got = plan(x)
+    plan.save(tmp_path / "plan.fxb")
+    fxbackend.reset_stats()
+    back = fxbackend.load(tmp_path / "plan.fxb")
+    assert torch.equal(back(x), got)
+    assert rewrites("channels_last_convs") == 3
+    assert fxbackend.stats()["weight_steps_cached"] == 3
+    new = {k: -v for k, v in model.state_dict().items()}
+    back.update_weights(new)
+    model.load_state_dict(new)
+    torch.testing.assert_close(back(x), model(x), rtol=2e-2, atol=2e-2)
