@@ -14,7 +14,8 @@ MMDiT, SD3.5-style QK RMSNorm), ``pixart`` (DiT with adaLN-single and cross-atte
 ``unet`` (SD-style UNet2DConditionModel with GroupNorm resnets and cross-attention blocks),
 ``wan`` (WanTransformer3DModel: video latents, 3-axis RoPE, cross-attention) and
 ``sdxl`` (SDXL-style UNet2DConditionModel: linear projections, multi-layer transformer blocks,
-text/time added conditioning).  Sizes: ``tiny`` (a few ms per call, quick to
+text/time added conditioning) and ``vae`` (SD-style AutoencoderKL, encode and decode; its
+``resolutions`` are image sizes).  Sizes: ``tiny`` (a few ms per call, quick to
 compile; for tests) and ``small`` (roughly 100-350 ms per float32 forward on a 2-core CPU; for
 benchmarks).
 
@@ -152,11 +153,32 @@ MODEL_CONFIGS = {
         "inputs": dict(batch=1, resolutions=[(32, 32), (28, 28), (24, 32)], text_len=77,
                        text_embeds=256),
     },
+    # SD-style VAE (AutoencoderKL): encode, the posterior's mode, decode; a convolutional
+    # network with GroupNorm resnets, a mid-block attention over pixels, down- and upsampling.
+    # ``resolutions`` are image sizes here (3 channels), not latents.
+    ("vae", "tiny"): {
+        "cls": "AutoencoderKL",
+        "config": dict(in_channels=3, out_channels=3, latent_channels=4, layers_per_block=1,
+                       block_out_channels=(32, 64),
+                       down_block_types=("DownEncoderBlock2D",) * 2,
+                       up_block_types=("UpDecoderBlock2D",) * 2,
+                       norm_num_groups=32, sample_size=32),
+        "inputs": dict(batch=1, resolutions=[(32, 32), (48, 48), (32, 48)], text_len=0),
+    },
+    ("vae", "small"): {
+        "cls": "AutoencoderKL",
+        "config": dict(in_channels=3, out_channels=3, latent_channels=4, layers_per_block=1,
+                       block_out_channels=(64, 128, 256),
+                       down_block_types=("DownEncoderBlock2D",) * 3,
+                       up_block_types=("UpDecoderBlock2D",) * 3,
+                       norm_num_groups=32, sample_size=96),
+        "inputs": dict(batch=1, resolutions=[(96, 96), (80, 80), (64, 96)], text_len=0),
+    },
 }
 
 
 def families():
-    """Return the model families in table order (``flux``, ``sd3``, ``pixart``, ``unet``)."""
+    """Return the model families in table order (``flux``, ``sd3``, ``pixart``, ``unet``, ...)."""
     return list(dict.fromkeys(f for f, _ in MODEL_CONFIGS))
 
 
@@ -262,6 +284,8 @@ def make_inputs(family, size, resolution=None, batch=None, dtype=torch.float32, 
                   added_cond_kwargs={"text_embeds": randn(b, spec["text_embeds"]),
                                      "time_ids": ids.repeat(b, 1).to(device=device,
                                                                      dtype=dtype)})
+    elif family == "vae":
+        kw = dict(sample=randn(b, cfg["in_channels"], h, w))
     elif family == "wan":
         kw = dict(hidden_states=randn(b, cfg["in_channels"], spec["frames"], h, w),
                   timestep=full(500),

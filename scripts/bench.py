@@ -94,7 +94,8 @@ def parse_args(argv=None):
     p.add_argument("--sizes", default="small",
                    help="comma-separated model sizes (tiny, small); default: small")
     p.add_argument("--families", default=None,
-                   help="comma-separated model families (flux, sd3, pixart, unet); default: all")
+                   help="comma-separated model families (flux, sd3, pixart, unet, wan, sdxl, vae); "
+                        "default: all")
     p.add_argument("--device", default=None, choices=("cpu", "cuda"),
                    help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default="float32", choices=DTYPES)

@@ -206,3 +206,24 @@ def test_saved_plan_replays_and_sees_weight_updates(tmp_path):
     back.update_weights(new)
     model.load_state_dict(new)
     torch.testing.assert_close(back(x), model(x), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("family", ["vae", "sdxl"])
+def test_tiny_models_in_bf16(family):
+    """The table's VAE (encode and decode) and SDXL UNet in bf16: every convolution
+    channels-last, outputs within a few bf16 roundings of eager (the GroupNorms' statistics
+    are summed in another order; measured on the tiny VAE: 2.2e-2 with the rule, 2.6e-2
+    without it, Inductor 2.4e-2; the tiny SDXL 1.6e-2, as Inductor).  (The
+    VAE's output comes back channels-last, with the rule off too: that is the layout Dynamo
+    recorded for it, whose fake tensors stride a batch of one unlike eager.)"""
+    from fxbackend import models
+    from ext_util import rel_err
+    model = models.build_model(family, "tiny", dtype=torch.bfloat16)
+    kw = models.make_inputs(family, "tiny", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    fxbackend.reset_stats()
+    ref = models.run_eager(model, kw)
+    out = models.run_eager(torch.compile(model, backend="fxbackend"), kw)
+    convs = sum(isinstance(m, torch.nn.Conv2d) for m in model.modules())
+    assert rewrites("channels_last_convs") == convs
+    assert out.shape == ref.shape and rel_err(out, ref) <= 3e-2

@@ -9,7 +9,7 @@ import fxbackend
 from fxbackend import models
 from ext_util import eager_and_compiled, rel_err as _rel_err
 
-FAMILIES = ["flux", "sd3", "pixart", "unet", "wan", "sdxl"]
+FAMILIES = ["flux", "sd3", "pixart", "unet", "wan", "sdxl", "vae"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
