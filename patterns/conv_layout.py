@@ -58,28 +58,33 @@ from fxbackend.concat import POINTWISE_OPS
 from fxbackend.ir import storage_root
 from fxbackend.rewrite import AtenBuilder, result_meta
 
-__all__ = ["ConvChannelsLast", "CONV_OP", "channels_last_strides", "is_cpu_conv2d"]
+__all__ = ["ConvChannelsLast", "CONV_OP", "channels_last_strides", "is_cpu_conv"]
 
 CONV_OP = "aten.convolution.default"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def channels_last_strides(shape) -> tuple:
-    """Strides of a dense channels-last (NHWC) tensor of 4-D ``shape`` ``[N, C, H, W]``."""
-    n, c, h, w = shape
-    return (h * w * c, 1, w * c, c)
+    """Strides of a dense channels-last tensor of ``shape`` ``[N, C, *spatial]`` (NHWC for 4-D,
+    NDHWC, torch's ``channels_last_3d``, for 5-D): the channels innermost."""
+    n, c, *spatial = shape
+    strides, step = [], c
+    for size in reversed(spatial):
+        strides.append(step)
+        step *= size
+    return (step, 1, *reversed(strides))
 
 
-def is_cpu_conv2d(conv: Node, dtypes: tuple) -> bool:
-    """``conv`` is a 2-D, not transposed, statically shaped CPU ``aten.convolution`` of one of
-    ``dtypes`` whose input is a 4-D tensor."""
+def is_cpu_conv(conv: Node, dtypes: tuple, ndims: tuple = (4,)) -> bool:
+    """``conv`` is a not transposed, statically shaped CPU ``aten.convolution`` of one of
+    ``dtypes`` whose input and result have one of ``ndims`` dims (4: a 2-D convolution)."""
     m = conv.meta
     if conv.op != CONV_OP or not isinstance(m, TensorMeta) or m.is_symbolic or \
-            len(m.shape) != 4 or m.device.type != "cpu" or m.dtype not in dtypes or \
+            len(m.shape) not in ndims or m.device.type != "cpu" or m.dtype not in dtypes or \
             conv.params.get("transposed") or not conv.srcs:
         return False
     x = conv.srcs[0].meta
-    return isinstance(x, TensorMeta) and len(x.shape) == 4 and not x.is_symbolic
+    return isinstance(x, TensorMeta) and len(x.shape) == len(m.shape) and not x.is_symbolic
 
 
 def _pointwise_1x1(conv: Node) -> bool:
@@ -131,7 +136,7 @@ class ConvChannelsLast:
 
     @staticmethod
     def _eligible(conv: Node) -> bool:
-        return is_cpu_conv2d(conv, _DTYPES) and conv.srcs[0].meta.is_contiguous
+        return is_cpu_conv(conv, _DTYPES) and conv.srcs[0].meta.is_contiguous
 
     def rewrite(self, graph, ctx) -> int:
         users = graph.users()

@@ -227,3 +227,22 @@ def test_tiny_models_in_bf16(family):
     convs = sum(isinstance(m, torch.nn.Conv2d) for m in model.modules())
     assert rewrites("channels_last_convs") == convs
     assert out.shape == ref.shape and rel_err(out, ref) <= 3e-2
+
+
+def _video_block(x, w1, w2):
+    """Two 3-D convolutions around a SiLU, the first after a causal time padding (a video
+    VAE's ``CausalConv3d``: ``F.pad`` of two frames before, none after)."""
+    y = torch.nn.functional.conv3d(torch.nn.functional.pad(x, (1, 1, 1, 1, 2, 0)), w1)
+    return torch.nn.functional.conv3d(torch.nn.functional.silu(y), w2, padding=1)
+
+
+def test_three_dimensional_convolutions_run_channels_last_3d():
+    args = _bf16_args((1, 4, 3, 6, 6), (8, 4, 3, 3, 3), (4, 8, 3, 3, 3))
+    fxbackend.reset_stats()
+    c = capture(_video_block, *args)  # bit for bit eager's (checked by capture)
+    assert rewrites("channels_last_convs") == 2
+    plan = c.graph.plan_for(args)
+    for conv in (n for n in plan.graph.nodes if n.op == CONV_OP):
+        assert all(is_channels_last(plan.metas[s]) for s in conv.srcs[:2])
+        assert plan.metas[conv].stride[1] == 1  # channels innermost (NDHWC)
+    assert c.out.is_contiguous()
