@@ -661,8 +661,10 @@ class Plan:
         dtype) is computed on the first call and again only when one of its weights changes:
         the step function compares ``(data_ptr(), _version)`` of each weight with those the
         value was computed from (an in-place ``copy_``, e.g. a LoRA fuse, bumps the version; a
-        new tensor has another address).  A tensor created in inference mode has no version
-        counter: its steps run on every call.  The value is the op's own result, held by the
+        new tensor has another address; one that reuses a freed tensor's address with the
+        same version count is not detected, as for the INT8 kernels' quantized weights).  A
+        tensor created in inference mode has no version counter: its steps run on every
+        call.  The values stay with the plan while it lives.  The value is the op's own result, held by the
         plan (not arena storage).  Left per call: seeded-random ops, in-place and
         multi-output steps, results that are returned or written in place, steps whose op
         does not return the planned layout, and every step under ``cuda_graphs`` (a replay
