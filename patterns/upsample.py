@@ -40,6 +40,8 @@ from fxbackend import TensorMeta
 from fxbackend.ir import Node
 from fxbackend.rewrite import AtenBuilder
 
+from .channels_last import is_channels_last
+
 __all__ = ["IndexUpsample"]
 
 _OP = "aten._unsafe_index.Tensor"
@@ -99,14 +101,6 @@ def _upsample_channels_last(make: AtenBuilder, x: Node, factors: list) -> Node:
     return make("permute", [out], {"dims": [0, 3, 1, 2]})
 
 
-def _channels_last(m: TensorMeta) -> bool:
-    if len(m.shape) != 4 or m.storage_offset:
-        return False
-    n, c, h, w = m.shape
-    want = (h * w * c, 1, w * c, c)
-    return all(size <= 1 or a == b for size, a, b in zip(m.shape, m.stride, want))
-
-
 class IndexUpsample:
     """Rewrite rule ``index_upsample`` (see the module docstring)."""
 
@@ -127,7 +121,8 @@ class IndexUpsample:
                     len(mx.shape) != len(spec) or mx.is_symbolic or mn.is_symbolic or \
                     mx.device.type != "cpu":
                 continue
-            nhwc = _channels_last(mx) and _channels_last(mn) and not mn.is_contiguous
+            nhwc = len(mx.shape) == 4 and is_channels_last(mx) and is_channels_last(mn) and \
+                not mn.is_contiguous
             if not mn.is_contiguous and not nhwc:
                 ctx.decline(n, "the result is neither contiguous nor a channels-last image "
                                "upsampled from one (the copies write one of those layouts)")
