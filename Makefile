@@ -4,6 +4,8 @@ PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.fxbackend-installed
+# test processes (pytest-xdist): one per core, at most 4 (each holds ~1.5 GB); 0 runs serially
+TEST_WORKERS ?= auto
 
 .PHONY: demo test bench venv clean
 
@@ -21,7 +23,8 @@ demo: $(STAMP)
 	$(VPY) -m fxbackend demo
 
 test: $(STAMP)
-	$(VPY) -m pytest -q -x -p no:cacheprovider tests
+	$(VPY) -m pytest -q -x -p no:cacheprovider -n $(TEST_WORKERS) --maxprocesses 4 \
+		--dist worksteal tests
 
 bench: $(STAMP)
 	$(VPY) scripts/bench.py
