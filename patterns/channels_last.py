@@ -10,7 +10,8 @@ residual adds, upsamplings and concatenations between them, all of which compute
 in either layout, so the whole chain can stay channels-last: only the network's input (4 latent
 channels), and whatever leaves the convolutional part in a layout ATen cannot follow, is copied.
 
-The rewrite rule ``channels_last_convs`` (CPU, bf16/fp16, static shapes)::
+The rewrite rule ``channels_last_convs`` (CPU, bf16/fp16; a graph with concrete sizes: a static
+compile's, or each plan of a dynamic compile)::
 
     # y = convolution(x, w, b)                    x, w NCHW
     #   =>  w_cl = clone(w) {memory_format=channels_last}     from the weight alone: the plan
@@ -25,10 +26,11 @@ The rewrite rule ``channels_last_convs`` (CPU, bf16/fp16, static shapes)::
 
 A step whose op cannot take the new layout (a ``view`` that needs the old strides, a
 Python-level or custom op, ``as_strided``) reads a copy in the old layout instead, and so does
-the graph's output: the caller gets eager's layout.  The weight copies are steps computed from
-weights alone, which the executor keeps between calls and redoes only when the weight changes
-(``Plan.cached``).  The rule declines (the plan's report says why) when an old layout to
-restore is not a dense one.
+the graph's output: the caller gets eager's layout, whatever dense order it had (a graph that
+returns an NHWC view of an NCHW result gets those strides back).  The weight copies are steps
+computed from weights alone, which the executor keeps between calls and redoes only when the
+weight changes (``Plan.cached``).  The rule declines (the plan's report says why) when an old
+layout to restore is not a dense one (a slice's, say).
 
 Values: a channels-last convolution sums the same products; on the shapes tested its bf16
 results were bit-identical to NCHW, and in general they differ only by oneDNN's summation
@@ -45,6 +47,7 @@ from fxbackend.native import call_args, out_is_copy, out_overload
 from fxbackend.rewrite import AtenBuilder
 
 from .conv_layout import channels_last_strides, is_cpu_conv
+from .scale_cast import is_dense
 
 __all__ = ["ChannelsLastConvs", "is_channels_last"]
 
@@ -104,6 +107,16 @@ def _same_layout(a, b) -> bool:
         a.storage_offset == b.storage_offset and _same_strides(a.shape, a.stride, b.stride)
 
 
+def _symbolic_sizes(graph) -> bool:
+    """Some step's sizes or strides are symbolic.  (A dynamic compile's plan has concrete
+    metadata but keeps its scalar inputs, so ``graph.is_symbolic`` says yes for it.)"""
+    for n in graph.nodes:
+        metas = n.meta if isinstance(n.meta, tuple) else (n.meta,)
+        if any(isinstance(m, TensorMeta) and m.is_symbolic for m in metas):
+            return True
+    return False
+
+
 def _cl(m: TensorMeta) -> TensorMeta:
     return TensorMeta(tuple(m.shape), channels_last_strides(m.shape), m.dtype, m.device)
 
@@ -127,7 +140,7 @@ class ChannelsLastConvs:
 
     def rewrite(self, graph, ctx) -> int:
         convs = [n for n in graph.nodes if self._eligible(n)]
-        if not convs or graph.is_symbolic:
+        if not convs or _symbolic_sizes(graph):
             return 0
         try:
             new, copies = self._layouts(graph, set(convs))
@@ -255,7 +268,13 @@ class ChannelsLastConvs:
             if isinstance(n.meta, tuple):
                 if not isinstance(out, (tuple, list)) or len(out) != len(n.meta):
                     return None
-                metas = tuple(meta(t, old) for t, old in zip(out, n.meta))
+                # a statistics output (a layer norm's mean and rstd) whose dtype the fake
+                # kernel gives otherwise than the traced graph (bf16 for float32 on the CPU)
+                # keeps its traced metadata: its layout does not follow the input's
+                metas = tuple(old if i and isinstance(t, torch.Tensor) and
+                              isinstance(old, TensorMeta) and t.dtype != old.dtype and
+                              tuple(t.shape) == tuple(old.shape) else meta(t, old)
+                              for i, (t, old) in enumerate(zip(out, n.meta)))
                 if n.op in _DENSE_INPUT_OPS and _canonical(new.get(n.srcs[0], n.srcs[0].meta)) \
                         and is_channels_last(metas[0]):
                     # the CPU kernel returns exact channels-last strides for such an input
@@ -269,9 +288,10 @@ class ChannelsLastConvs:
     @staticmethod
     def _restorable(s: Node) -> None:
         m = s.meta
-        if not isinstance(m, TensorMeta) or not m.is_contiguous or m.storage_offset:
+        if not isinstance(m, TensorMeta) or m.storage_offset or \
+                not is_dense(m.shape, m.stride):
             raise _Decline(f"%{s.id} would need a copy back to its old layout, which is not "
-                           f"a dense contiguous one ({m.short() if isinstance(m, TensorMeta) else m})")
+                           f"a dense one ({m.short() if isinstance(m, TensorMeta) else m})")
 
     # -- applying ---------------------------------------------------------------------------
     @staticmethod
@@ -291,8 +311,12 @@ class ChannelsLastConvs:
             if c is None:
                 fmt = torch.channels_last if kind == "cl" else torch.contiguous_format
                 m = s.meta if kind == "cl" else old.get(s, s.meta)
+                # back: the old strides, any dense order (a copy into planned storage is
+                # ``copy_``, which writes whatever layout the plan gives it)
                 meta = _cl(m) if kind == "cl" else \
-                    TensorMeta(tuple(m.shape), contiguous_strides(m.shape), m.dtype, m.device)
+                    TensorMeta(tuple(m.shape), tuple(m.stride), m.dtype, m.device)
+                if kind == "back" and not m.is_contiguous:
+                    fmt = torch.preserve_format
                 if reader is None:  # a graph output: copied last
                     c = graph.new_node("aten.clone.default", [s], {"memory_format": fmt}, meta,
                                        target=torch.ops.aten.clone.default,

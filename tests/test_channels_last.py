@@ -246,3 +246,79 @@ def test_three_dimensional_convolutions_run_channels_last_3d():
         assert all(is_channels_last(plan.metas[s]) for s in conv.srcs[:2])
         assert plan.metas[conv].stride[1] == 1  # channels innermost (NDHWC)
     assert c.out.is_contiguous()
+
+
+def _conv_nhwc_out(x, w, w2):
+    """A convolution whose result leaves the graph as an NHWC view (a layout eager gives as a
+    permutation of NCHW: dense, not contiguous) and also feeds another convolution."""
+    y = torch.nn.functional.conv2d(x, w, padding=1)
+    return y.permute(0, 2, 3, 1) * 2, torch.nn.functional.conv2d(y, w2)
+
+
+def test_output_in_a_permuted_dense_layout_gets_eager_strides():
+    args = _bf16_args((1, 4, 4, 4), (8, 4, 3, 3), (2, 8, 1, 1))
+    fxbackend.reset_stats()
+    c = capture(_conv_nhwc_out, *args)  # bit for bit eager's (checked by capture)
+    assert rewrites("channels_last_convs") == 2
+    want = _conv_nhwc_out(*args)
+    assert [o.stride() for o in c.out] == [o.stride() for o in want]
+    plan = c.graph.plan_for(args)
+    assert_expected_inline(plan.graph.format(), """\
+%0 = input : bf16[1,4,4,4]
+%1 = input : bf16[8,4,3,3]
+%2 = input : bf16[2,8,1,1]
+%7 = aten.clone.default(%0) {memory_format=channels_last} : bf16[1,4,4,4]{64,1,16,4}
+%8 = aten.clone.default(%1) {memory_format=channels_last} : bf16[8,4,3,3]{36,1,12,4}
+%3 = aten.convolution.default(%7, %8) {stride=[1, 1], padding=[1, 1], dilation=[1, 1], transposed=False, output_padding=[0, 0], groups=1} : bf16[1,8,4,4]{128,1,32,8}
+%4 = aten.permute.default(%3) {dims=[0, 2, 3, 1]} : bf16[1,4,4,8]  # view_of=%3
+%5 = aten.mul.Tensor(%4) {other=2} : bf16[1,4,4,8]
+%6 = aten.convolution.default(%3, %2) {stride=[1, 1], padding=[0, 0], dilation=[1, 1], transposed=False, output_padding=[0, 0], groups=1} : bf16[1,2,4,4]{32,1,8,2}
+%10 = aten.clone.default(%5) {memory_format=preserve_format} : bf16[1,4,4,8]{128,4,1,16}  # output
+%11 = aten.clone.default(%6) {memory_format=contiguous_format} : bf16[1,2,4,4]  # output
+return (%10, %11)""")
+
+
+class _ConvTokens(torch.nn.Module):
+    """A UNet's transformer input: convolution, the image as token rows (``permute -> view``)
+    through a LayerNorm and a linear, back to an image, convolution."""
+
+    def __init__(self, c: int = 16) -> None:
+        super().__init__()
+        self.conv_in = torch.nn.Conv2d(4, c, 3, padding=1)
+        self.norm = torch.nn.LayerNorm(c)
+        self.proj = torch.nn.Linear(c, c)
+        self.conv_out = torch.nn.Conv2d(c, 4, 3, padding=1)
+
+    def forward(self, x):
+        b, _, h, w = x.shape
+        y = self.conv_in(x)
+        t = self.proj(self.norm(y.permute(0, 2, 3, 1).reshape(b, h * w, -1)))
+        return self.conv_out(t.reshape(b, h, w, -1).permute(0, 3, 1, 2).contiguous() + y)
+
+
+def test_dynamic_compile_plans_run_channels_last():
+    """``dynamic=True``: the graph's sizes are symbolic, each plan's are not, and the rule
+    runs on each plan (the token rows' LayerNorm follows the new layout; its float32 mean and
+    rstd, which torch's fake kernel gives in bf16, keep their traced metadata)."""
+    torch.manual_seed(0)
+    model = _ConvTokens().to(torch.bfloat16)
+    torch._dynamo.reset()
+    fxbackend.reset_stats()
+    with fxbackend.record_graphs() as graphs:
+        c = torch.compile(model, backend="fxbackend", dynamic=True)
+        for size in (8, 12):
+            x = torch.randn(1, 4, size, size).to(torch.bfloat16)
+            out, want = c(x), model(x)
+            assert out.stride() == want.stride()
+            torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+    assert rewrites("channels_last_convs") == 4  # two convolutions in each of two plans
+    (g,) = graphs
+    assert g.graph.is_symbolic and len(g.plans) == 2
+    for plan in g.plans.values():
+        assert not plan.rewrites_declined
+        for conv in (n for n in plan.graph.nodes if n.op == CONV_OP):
+            assert is_channels_last(plan.metas[conv])
+        # the token rows need no copy: the only one of a computed value is the output's
+        copies = [n for n in plan.graph.nodes
+                  if n.op == "aten.clone.default" and n.srcs[0].op != "input"]
+        assert [n.is_output for n in copies] == [True]
