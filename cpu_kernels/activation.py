@@ -66,7 +66,6 @@ prange = range
 _ACT_ID = {a: k for k, a in enumerate(ACTS)}
 #: elements per parallel task of the in-place pass (64 KiB of float32: stays in L2)
 _CHUNK = 16384
-_BITS_OF = {torch.bfloat16: torch.int16, torch.float16: torch.uint16}
 
 # float32 constants (as torch's kernels compute them: in double, then rounded)
 _K_BETA = np.float32(2.0 ** 0.5 * (2.0 / np.pi ** 0.5) * 0.5)
@@ -208,11 +207,9 @@ def _jit(act: str):
 # -- launchers ----------------------------------------------------------------------------------
 
 def _np(t: torch.Tensor) -> np.ndarray:
-    """A flat numpy view of a contiguous CPU tensor (16-bit floats as their bits)."""
-    t = t.reshape(-1)
-    if t.dtype in _BITS_OF:
-        t = t.view(_BITS_OF[t.dtype])
-    return t.numpy()
+    """A flat numpy view of a contiguous CPU tensor (16-bit floats as their bits; kept per
+    tensor by :func:`rope._flat`)."""
+    return _flat(t, t.numel())
 
 
 def _bias_np(bias: torch.Tensor | None, like: np.ndarray, n: int, who: str) -> np.ndarray:

@@ -463,3 +463,29 @@ def test_module_import_does_not_import_numba():
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "False"
 
+
+
+# -- the numpy arrays the CPU kernels get (cpu_kernels/rope.py ``_flat``) -------------------------
+
+def test_flat_arrays_are_kept_per_tensor_and_follow_its_storage():
+    import gc
+    import weakref
+    t = torch.arange(12, dtype=torch.float32).bfloat16()
+    a = cpu_rope._flat(t, 12)
+    assert cpu_rope._flat(t, 12) is a  # the second call is a lookup
+    assert a.dtype.name == "int16" and torch.equal(torch.from_numpy(a.copy()).view(
+        torch.bfloat16), t)  # bf16 as its bits, the same memory
+    a[0] = torch.tensor([5.0]).bfloat16().view(torch.int16).item()
+    assert t[0].item() == 5.0
+    assert cpu_rope._flat(t, 6) is not a and cpu_rope._flat(t, 6).shape == (6,)
+    # new storage behind the same tensor object: a new array on it
+    t.data = torch.full((12,), 7.0).bfloat16()
+    b = cpu_rope._flat(t, 12)
+    assert b is not a and torch.equal(torch.from_numpy(b.copy()).view(torch.bfloat16), t)
+    # the arrays do not keep the tensor alive; its entry goes with it
+    f = torch.ones(4)
+    cpu_rope._flat(f, 4)
+    key, gone = id(f), weakref.ref(f)
+    del f, t
+    gc.collect()
+    assert gone() is None and key not in cpu_rope._FLAT_CACHE
