@@ -46,7 +46,8 @@ import numpy as np
 import torch
 
 import fxbackend
-from fxbackend.patterns.groupnorm import (GroupNormOpKernel, GroupNormSiluFusion,
+from fxbackend.patterns.groupnorm import (GROUP_NORM_CL_OP, GroupNormOpKernel,
+                                          GroupNormSiluFusion, channels_first,
                                           group_norm_silu_reference, layout_why_not,
                                           memory_format_of)
 
@@ -58,7 +59,7 @@ from .rope import _NP_OF, _compile_lock, _flat, _load, _set_threads, _store
 from .rmsnorm import _round_as
 
 __all__ = ["why_not", "group_norm_silu_cpu", "compile_kernels", "GroupNormSiluCPU",
-           "GroupNormCPU"]
+           "GroupNormCPU", "GroupNormChannelsLastCPU"]
 
 #: ``numba.prange`` once numba is imported (see ``cpu_kernels/_numba.py``); ``range`` until then
 prange = range
@@ -327,5 +328,44 @@ class GroupNormCPU(GroupNormOpKernel):
         _launch(x, w, b, out, node.params["groups"], node.params["eps"], False)
 
 
+class GroupNormChannelsLastCPU:
+    """The channels-last numba kernel (no SiLU) for the op ``sd.group_norm_channels_last.v1``:
+    x ``[N, *spatial, C]`` contiguous, seen as the dense channels-last ``[N, C, *spatial]``
+    image it is, its contiguous output likewise.  Workspace: none."""
+
+    op = GROUP_NORM_CL_OP
+    name = "group_norm_channels_last_cpu"
+
+    def supports(self, node) -> bool:
+        try:
+            if len(node.srcs) != 3:
+                return False
+            x, w, b = (s.meta for s in node.srcs)
+            if not x.is_contiguous or len(x.shape) < 3:
+                return False
+            moved = fxbackend.TensorMeta(
+                (x.shape[0], x.shape[-1], *x.shape[1:-1]),
+                (x.stride[0], x.stride[-1], *x.stride[1:-1]), x.dtype, x.device)
+            return why_not(moved, w, b, moved, node.params.get("groups"),
+                           node.params.get("eps")) is None
+        except Exception:  # never raise from supports: decline instead
+            return False
+
+    def compile(self, node) -> None:
+        compile_kernels(*(s.meta.dtype for s in node.srcs))
+
+    def execute(self, ctx, node, state, inputs, out, workspace) -> None:
+        x, w, b = inputs
+        xc, oc = channels_first(x), channels_first(out)
+        lx = _layout(xc)
+        if lx is None or lx != _layout(oc):
+            # strides other than planned (behind Dynamo's guards): never write the wrong layout
+            oc.copy_(group_norm_silu_reference(xc, w, b, node.params["groups"],
+                                               node.params["eps"], silu=False))
+            return
+        _launch(xc, w, b, oc, node.params["groups"], node.params["eps"], False)
+
+
 fxbackend.register_fusion("cpu", GroupNormSiluFusion(GroupNormSiluCPU()))
 fxbackend.register_kernel("cpu", GroupNormCPU)
+fxbackend.register_kernel("cpu", GroupNormChannelsLastCPU)

@@ -47,6 +47,7 @@ from fxbackend.native import call_args, out_is_copy, out_overload
 from fxbackend.rewrite import AtenBuilder
 
 from .conv_layout import channels_last_strides, is_cpu_conv
+from .groupnorm import GroupNormChannelsLastIdiom
 from .scale_cast import is_dense
 
 __all__ = ["ChannelsLastConvs", "is_channels_last"]
@@ -337,3 +338,5 @@ class ChannelsLastConvs:
                     reader.view_of = c
 
 fxbackend.register_rewrite(ChannelsLastConvs)
+# GroupNorm alone on the channels-last images this rule makes (``patterns/groupnorm.py``)
+fxbackend.register_rewrite(GroupNormChannelsLastIdiom)

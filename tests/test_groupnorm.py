@@ -14,8 +14,9 @@ import fxbackend
 import fxbackend.cpu_kernels.groupnorm  # noqa: F401  (registers the "cpu" rule)
 import fxbackend.cuda_kernels.groupnorm  # noqa: F401  (registers the "cuda" rule)
 from fxbackend import Graph, TensorMeta, models
-from fxbackend.cpu_kernels.groupnorm import GroupNormCPU, group_norm_silu_cpu, why_not
-from fxbackend.patterns.groupnorm import (GROUP_NORM_OP, GroupNormSiluFusion,
+from fxbackend.cpu_kernels.groupnorm import (GroupNormChannelsLastCPU, GroupNormCPU,
+                                             group_norm_silu_cpu, why_not)
+from fxbackend.patterns.groupnorm import (GROUP_NORM_CL_OP, GROUP_NORM_OP, GroupNormSiluFusion,
                                           ReferenceGroupNormSilu, group_norm_silu_reference,
                                           memory_format_of)
 
@@ -527,3 +528,97 @@ def test_models_fire_count_and_match_eager(family, on_cpu, request):
     assert s["steps_by_kernel"].get("group_norm_silu", 0) == want * s["calls"]
     if family == "unet":
         assert (want, alone) == (17, 4)
+
+
+# -- GroupNorm alone of a channels-last image: sd.group_norm_channels_last.v1 --------------------
+
+def _run_cl_op(x_last, w, b, groups):
+    """One ``sd.group_norm_channels_last.v1`` node on ``x_last`` (``[N, *spatial, C]``)."""
+    g = Graph()
+    set_outputs(g, fxbackend.op_create(g, GROUP_NORM_CL_OP,
+                                       [_input(g, t) for t in (x_last, w, b)],
+                                       {"groups": groups, "eps": EPS}))
+    fxbackend.reset_stats()
+    (out,) = compiled(g)(x_last, w, b)
+    return out, dict(fxbackend.stats()["steps_by_kernel"])
+
+
+@pytest.mark.parametrize("xdt,wdt,atol,rtol", DTYPES)
+@pytest.mark.parametrize("shape,groups", [s for s in SHAPES if len(s[0]) >= 4])
+@pytest.mark.parametrize("dense", [True, False])
+def test_channels_last_op_kernel_matches_reference(xdt, wdt, atol, rtol, shape, groups, dense):
+    """The numba channels-last kernel runs the op for a contiguous ``[N, *spatial, C]`` x
+    (a channels-last image permuted); other strides run the op's reference, exactly."""
+    x, w, b = _inputs(shape, groups, xdt, wdt, "nhwc" if dense else "nchw")
+    x_last = x.permute(0, *range(2, x.dim()), 1)
+    want = group_norm_silu_reference(x, w, b, groups, EPS, silu=False).permute(
+        0, *range(2, x.dim()), 1)
+    out, steps = _run_cl_op(x_last, w, b, groups)
+    assert out.is_contiguous() and out.dtype == xdt and out.shape == x_last.shape
+    if x_last.is_contiguous():
+        assert steps == {"group_norm_channels_last_cpu": 1}
+        _assert_matches(out.movedim(-1, 1), want.movedim(-1, 1), x, w, b, groups, False, atol,
+                        rtol)
+    else:
+        assert steps == {"native": 1}
+        assert torch.equal(out, want)
+
+
+def test_channels_last_op_meta_and_errors():
+    g = Graph()
+    x, w, b = (_input(g, t) for t in (torch.ones(2, 3, 4, 8, dtype=torch.bfloat16),
+                                       torch.ones(8), torch.zeros(8)))  # [N, H, W, C=8]
+    node = fxbackend.op_create(g, GROUP_NORM_CL_OP, [x, w, b], {"groups": 4, "eps": 1e-5})
+    assert (node.meta.shape, node.meta.stride) == ((2, 3, 4, 8), (96, 32, 8, 1))
+    with pytest.raises(ValueError, match="does not divide C=8"):
+        fxbackend.op_create(g, GROUP_NORM_CL_OP, [x, w, b], {"groups": 3, "eps": 1e-5})
+    with pytest.raises(ValueError, match=r"x must be \[N, \.\.\., C\]"):
+        fxbackend.op_create(g, GROUP_NORM_CL_OP, [_input(g, torch.ones(8)), w, b],
+                            {"groups": 4, "eps": 1e-5})
+    k = GroupNormChannelsLastCPU()
+    assert k.supports(node) is True
+    for broken in ({}, {"groups": 3, "eps": 1e-5}, {"groups": 4, "eps": float("nan")}):
+        node.params = broken
+        assert k.supports(node) is False
+
+
+def _conv_norm_conv(x, w, gw, gb, w1):
+    """A transformer block's input in a 16-bit UNet: convolution, GroupNorm (no SiLU), 1x1
+    projection."""
+    y = F.conv2d(x, w, padding=1)
+    return F.conv2d(F.group_norm(y, 4, gw, gb, EPS), w1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_channels_last_group_norm_alone_runs_the_kernel(no_grad, dtype):
+    from conftest import capture, rewrites
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(*s, generator=g).to(dtype)
+            for s in ((1, 4, 6, 6), (16, 4, 3, 3), (16,), (16,), (8, 16, 1, 1))]
+    fxbackend.reset_stats()
+    c = capture(_conv_norm_conv, *args, exact=False, rtol=2e-2, atol=2e-2)
+    assert rewrites("channels_last_convs") == 2 and rewrites("group_norm_channels_last") == 1
+    assert fxbackend.stats()["steps_by_kernel"]["group_norm_channels_last_cpu"] == 1
+    plan = c.graph.plan_for(args)
+    # views around the op, no copy: the convolution's result is read as [N, H, W, C]
+    assert "\n".join(line.split(" = ", 1)[1].split("(")[0] for line in
+                     plan.graph.format().splitlines()[5:-1]) == "\n".join([
+                         "aten.clone.default", "aten.clone.default", "aten.convolution.default",
+                         "aten.permute.default", GROUP_NORM_CL_OP, "aten.permute.default",
+                         "aten.convolution.default", "aten.clone.default"])
+    # off: torch's channels-last GroupNorm, the same values within a rounding
+    torch._dynamo.reset()
+    fxbackend.reset_stats()
+    off = capture(_conv_norm_conv, *args, exact=False, rtol=2e-2, atol=2e-2,
+                  options={"disable_rewrites": ["group_norm_channels_last"]})
+    assert rewrites("group_norm_channels_last") == 0
+    torch.testing.assert_close(c.out, off.out, rtol=2e-2, atol=2e-2)
+
+
+def test_channels_last_group_norm_rule_leaves_float32_alone(no_grad):
+    from conftest import capture, rewrites
+    x = torch.randn(1, 8, 5, 5).to(memory_format=torch.channels_last)
+    w, b = torch.randn(8), torch.randn(8)
+    fxbackend.reset_stats()
+    capture(lambda x, w, b: F.group_norm(x, 4, w, b, EPS) * 2, x, w, b, exact=False)
+    assert rewrites("group_norm_channels_last") == 0
