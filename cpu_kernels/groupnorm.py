@@ -48,6 +48,7 @@ import torch
 import fxbackend
 from fxbackend.patterns.groupnorm import (GROUP_NORM_CL_OP, GroupNormOpKernel,
                                           GroupNormSiluFusion, channels_first,
+                                          channels_first_meta,
                                           group_norm_silu_reference, layout_why_not,
                                           memory_format_of)
 
@@ -361,9 +362,7 @@ class GroupNormChannelsLastCPU:
             x, w, b = (s.meta for s in node.srcs)
             if not x.is_contiguous or len(x.shape) < 3:
                 return False
-            moved = fxbackend.TensorMeta(
-                (x.shape[0], x.shape[-1], *x.shape[1:-1]),
-                (x.stride[0], x.stride[-1], *x.stride[1:-1]), x.dtype, x.device)
+            moved = channels_first_meta(x)
             return why_not(moved, w, b, moved, node.params.get("groups"),
                            node.params.get("eps")) is None
         except Exception:  # never raise from supports: decline instead

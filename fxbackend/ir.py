@@ -176,11 +176,16 @@ class Graph:
 
     @property
     def is_symbolic(self) -> bool:
+        """Some size is symbolic: in a step's metadata, or a scalar input (a dynamic compile's
+        plan keeps those though its metadata is concrete)."""
+        return self.has_symbolic_metas or any(n.is_input and n.is_scalar for n in self.nodes)
+
+    @property
+    def has_symbolic_metas(self) -> bool:
+        """Some step's shape, strides or offset is symbolic."""
         for n in self.nodes:
             metas = n.meta if isinstance(n.meta, tuple) else (n.meta,)
             if any(isinstance(m, TensorMeta) and m.is_symbolic for m in metas):
-                return True
-            if n.is_input and n.is_scalar:
                 return True
         return False
 

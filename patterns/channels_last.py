@@ -108,16 +108,6 @@ def _same_layout(a, b) -> bool:
         a.storage_offset == b.storage_offset and _same_strides(a.shape, a.stride, b.stride)
 
 
-def _symbolic_sizes(graph) -> bool:
-    """Some step's sizes or strides are symbolic.  (A dynamic compile's plan has concrete
-    metadata but keeps its scalar inputs, so ``graph.is_symbolic`` says yes for it.)"""
-    for n in graph.nodes:
-        metas = n.meta if isinstance(n.meta, tuple) else (n.meta,)
-        if any(isinstance(m, TensorMeta) and m.is_symbolic for m in metas):
-            return True
-    return False
-
-
 def _cl(m: TensorMeta) -> TensorMeta:
     return TensorMeta(tuple(m.shape), channels_last_strides(m.shape), m.dtype, m.device)
 
@@ -141,7 +131,7 @@ class ChannelsLastConvs:
 
     def rewrite(self, graph, ctx) -> int:
         convs = [n for n in graph.nodes if self._eligible(n)]
-        if not convs or _symbolic_sizes(graph):
+        if not convs or graph.has_symbolic_metas:  # a dynamic compile's plans are concrete
             return 0
         try:
             new, copies = self._layouts(graph, set(convs))

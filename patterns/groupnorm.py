@@ -71,7 +71,8 @@ from fxbackend.rewrite import AtenBuilder
 __all__ = ["group_norm_silu_reference", "GroupNormSiluFusion", "ReferenceGroupNormSilu",
            "memory_format_of", "layout_why_not", "GroupNormOpKernel", "GroupNorm", "GroupNormIdiom",
            "GROUP_NORM_OP", "GROUP_NORM_CL_OP", "GroupNormChannelsLast",
-           "GroupNormChannelsLastIdiom", "channels_first", "channels_last_perm"]
+           "GroupNormChannelsLastIdiom", "channels_first", "channels_first_meta",
+           "channels_last_perm"]
 
 GROUP_NORM = "aten.native_group_norm.default"
 GROUP_NORM_OP = "sd.group_norm.v1"
@@ -324,19 +325,31 @@ class GroupNormIdiom:
             if found is None:
                 continue
             get, attrs = found
-            try:
-                new = fxbackend.op_create(graph, GROUP_NORM_OP, list(gn.srcs), attrs, after=get)
-            except (ValueError, TypeError):
-                continue
-            m, want = new.meta, get.meta
-            if (m.dtype, tuple(m.shape), tuple(m.stride)) != \
-                    (want.dtype, tuple(want.shape), tuple(want.stride)):
-                graph.nodes.remove(new)  # e.g. channels-last: the native output is not contiguous
+            new = self._replacement(graph, gn, get, attrs)
+            if new is None:
                 continue
             fxbackend.replace_uses(graph, get, new)
             users = graph.users()
             count += 1
         return count
+
+    @staticmethod
+    def _same_result(new, get) -> bool:
+        m, want = new.meta, get.meta
+        return (m.dtype, tuple(m.shape), tuple(m.stride)) == \
+            (want.dtype, tuple(want.shape), tuple(want.stride))
+
+    def _replacement(self, graph, gn, get, attrs):
+        """The node (inserted after ``get``) that gives ``get``'s value, or None (the graph
+        unchanged)."""
+        try:
+            new = fxbackend.op_create(graph, GROUP_NORM_OP, list(gn.srcs), attrs, after=get)
+        except (ValueError, TypeError):
+            return None
+        if not self._same_result(new, get):
+            graph.nodes.remove(new)  # e.g. channels-last: the native output is not contiguous
+            return None
+        return new
 
     @staticmethod
     def _match(gn, users, devices: tuple):
@@ -401,6 +414,13 @@ def channels_first(t: torch.Tensor) -> torch.Tensor:
     return t.movedim(-1, 1)
 
 
+def channels_first_meta(m: TensorMeta) -> TensorMeta:
+    """:func:`channels_first` of a tensor with metadata ``m``."""
+    return TensorMeta((m.shape[0], m.shape[-1], *m.shape[1:-1]),
+                      (m.stride[0], m.stride[-1], *m.stride[1:-1]), m.dtype, m.device,
+                      m.storage_offset)
+
+
 class GroupNormChannelsLast:
     """``sd.group_norm_channels_last.v1(x, weight, bias) {groups, eps}``: GroupNorm of an image
     whose channels are its last dim.  x is ``[N, *spatial, C]`` (any strides; float32, bf16,
@@ -420,9 +440,7 @@ class GroupNormChannelsLast:
         if len(x.shape) < 2:
             raise ValueError(f"{self.name}: x must be [N, ..., C], got shape {tuple(x.shape)}")
         # the channel-first checks of sd.group_norm.v1 on x with its channels moved to dim 1
-        shape = (x.shape[0], x.shape[-1], *x.shape[1:-1])
-        moved = TensorMeta.contiguous(shape, x.dtype, x.device)
-        GroupNorm().infer_meta([moved, srcs[1], srcs[2]], attrs)
+        GroupNorm().infer_meta([channels_first_meta(x), srcs[1], srcs[2]], attrs)
         return TensorMeta.contiguous(x.shape, x.dtype, x.device)
 
     def execute(self, ctx, node, state, inputs, out, workspace) -> None:
@@ -435,7 +453,7 @@ class GroupNormChannelsLast:
     deserialize = GroupNorm.deserialize
 
 
-class GroupNormChannelsLastIdiom:
+class GroupNormChannelsLastIdiom(GroupNormIdiom):
     """Rewrite rule ``group_norm_channels_last``: GroupNorm alone of a dense channels-last x
     (``channels_last_convs`` gives 16-bit UNets and VAEs such GroupNorms before each
     transformer and attention block)::
@@ -455,50 +473,36 @@ class GroupNormChannelsLastIdiom:
     name = "group_norm_channels_last"
 
     def __init__(self, devices: tuple = ("cpu",)) -> None:
-        GroupNormIdiom(devices)  # the same argument check
-        self.devices = tuple(devices)
+        super().__init__(devices)
 
-    def rewrite(self, graph) -> int:
-        count = 0
-        users = graph.users()
-        for gn in list(graph.nodes):
-            found = GroupNormIdiom._match(gn, users, self.devices)
-            if found is None:
-                continue
-            get, attrs = found
-            x = gn.srcs[0]
-            nd = len(x.meta.shape)
-            if x.meta.dtype not in (torch.bfloat16, torch.float16) or \
-                    memory_format_of(x.meta.shape, x.meta.stride) != "nhwc" or \
-                    x.meta.storage_offset or \
-                    memory_format_of(get.meta.shape, get.meta.stride) != "nhwc":
-                continue
-            made = []
-            try:
-                xv = AtenBuilder(graph, gn)("permute", [x], {"dims": channels_last_perm(nd)})
-                made.append(xv)
-                y = fxbackend.op_create(graph, GROUP_NORM_CL_OP, [xv] + list(gn.srcs[1:]),
-                                        attrs, after=get)
-                made.append(y)
-                k = fxbackend.select_kernel(x.meta.device.type, y)
-                back = AtenBuilder(graph, y)("permute", [y],
-                                             {"dims": [0, nd - 1, *range(1, nd - 1)]})
-                made.append(back)
-                graph.nodes.remove(back)
-                graph.insert(graph.nodes.index(y) + 1, back)
-            except (ValueError, TypeError, KeyError):
-                k = None
-            m, want = made[-1].meta if made else None, get.meta
-            if len(made) < 3 or getattr(k, "name", "native") == "native" or \
-                    (m.dtype, tuple(m.shape), tuple(m.stride)) != \
-                    (want.dtype, tuple(want.shape), tuple(want.stride)):
-                for n in made:  # no kernel of its own, or strides not the native result's
-                    graph.nodes.remove(n)
-                continue
-            fxbackend.replace_uses(graph, get, back)
-            users = graph.users()
-            count += 1
-        return count
+    def _replacement(self, graph, gn, get, attrs):
+        x = gn.srcs[0]
+        nd = len(x.meta.shape)
+        if x.meta.dtype not in (torch.bfloat16, torch.float16) or \
+                memory_format_of(x.meta.shape, x.meta.stride) != "nhwc" or \
+                x.meta.storage_offset or \
+                memory_format_of(get.meta.shape, get.meta.stride) != "nhwc":
+            return None
+        made = []
+        try:
+            xv = AtenBuilder(graph, gn)("permute", [x], {"dims": channels_last_perm(nd)})
+            made.append(xv)
+            y = fxbackend.op_create(graph, GROUP_NORM_CL_OP, [xv] + list(gn.srcs[1:]), attrs,
+                                    after=get)
+            made.append(y)
+            k = fxbackend.select_kernel(x.meta.device.type, y)
+            back = AtenBuilder(graph, y)("permute", [y], {"dims": [0, nd - 1, *range(1, nd - 1)]})
+            made.append(back)
+            graph.nodes.remove(back)  # the builder inserts before its node: move it after y
+            graph.insert(graph.nodes.index(y) + 1, back)
+        except (ValueError, TypeError, KeyError):
+            k = None
+        if len(made) < 3 or getattr(k, "name", "native") == "native" or \
+                not self._same_result(made[-1], get):
+            for n in made:  # no kernel of its own, or strides not the native result's
+                graph.nodes.remove(n)
+            return None
+        return back
 
 
 fxbackend.register_op(GroupNorm)
