@@ -12,15 +12,24 @@ from .lower import is_tensor_type
 __all__ = ["out_overload", "out_is_copy", "call_args"]
 
 
+#: ops whose ``.out`` kernel is not "the functional op, written into ``out``": on the CPU,
+#: with a reduction, these resize ``out`` to the elementwise loss and use it as scratch space,
+#: writing past a planned buffer into its neighbours (and ``binary_cross_entropy``'s ``out``
+#: then holds the first element's loss, not the reduced one).  They are called functionally.
+_OUT_NOT_FUNCTIONAL = frozenset({
+    "aten::binary_cross_entropy", "aten::huber_loss", "aten::soft_margin_loss"})
+
+
 @functools.lru_cache(maxsize=None)
 def out_overload(op: torch._ops.OpOverload) -> tuple[Any, tuple[str, ...]] | None:
     """The ``.out`` overload of a functional ATen op and its out-argument names, or None.
 
     An out overload takes the functional op's arguments (same names and types) plus one
-    kwarg-only written tensor per return value.
+    kwarg-only written tensor per return value.  None also for the ops whose ``.out`` kernel
+    writes outside ``out`` (``_OUT_NOT_FUNCTIONAL``).
     """
     schema = op._schema
-    if schema.is_mutable or not schema.returns:
+    if schema.is_mutable or not schema.returns or schema.name in _OUT_NOT_FUNCTIONAL:
         return None
     if not all(str(r.type) == "Tensor" for r in schema.returns):
         return None

@@ -117,3 +117,38 @@ def test_out_is_copy_on_cpu(name, copies):
 
 def test_out_is_copy_unknown_device_is_false():
     assert out_is_copy(_resolve("aten.convolution.default"), "xla") is False
+
+
+_LOSSES = {
+    "binary_cross_entropy": lambda x, t, r: torch.nn.functional.binary_cross_entropy(
+        x, t, reduction=r),
+    "huber_loss": lambda x, t, r: torch.nn.functional.huber_loss(x, t, reduction=r),
+    "soft_margin_loss": lambda x, t, r: torch.nn.functional.soft_margin_loss(x, t, reduction=r),
+}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("loss", sorted(_LOSSES))
+def test_losses_whose_out_kernel_uses_out_as_scratch(loss, reduction):
+    """With a reduction, these ops' CPU ``.out`` kernels resize ``out`` to the elementwise loss
+    and use it as scratch.  In a plan the loss's scalar buffer sits in the hole ``s`` leaves,
+    just before ``a`` and ``b``: called with ``out=``, binary_cross_entropy and huber_loss
+    overwrite them (and binary_cross_entropy's loss is wrong).  The plan must give eager's
+    result."""
+    import fxbackend
+
+    def f(x, t):
+        s = x.sum(0)
+        a = x.exp()
+        b = t * 3.0
+        c = a * s        # s's buffer is free from here
+        l = _LOSSES[loss](x, t, reduction)
+        return c * l + b + a
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(32, 48, generator=g) * 0.8 + 0.1
+    t = torch.rand(32, 48, generator=g)
+    with torch.no_grad():
+        got = torch.compile(f, backend="fxbackend")(x, t)
+    assert fxbackend.stats()["calls"] == 1
+    torch.testing.assert_close(got, f(x, t), rtol=1e-6, atol=1e-6)
