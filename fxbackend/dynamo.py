@@ -96,8 +96,13 @@ def fxbackend_backend(gm: torch.fx.GraphModule, example_inputs: list, options: d
     def fw_compiler(aten_gm: torch.fx.GraphModule, fake_inputs: list):
         return boxed_runner(compile_fx_graph(aten_gm, opts, weight_mask, names))
 
-    return aot_module_simplified(gm, example_inputs, fw_compiler=fw_compiler,
-                                 keep_inference_input_mutations=True)
+    # Ops with side effects (``linalg.inv``'s error check, ...) are ordered by effect tokens.
+    # Unlifted, the graph makes and sinks its own tokens: the placeholders stay the model's
+    # inputs (the weight mask and names line up) and callers pass no token arguments.
+    import torch._functorch.config as functorch_config
+    with functorch_config.patch(unlift_effect_tokens=True):
+        return aot_module_simplified(gm, example_inputs, fw_compiler=fw_compiler,
+                                     keep_inference_input_mutations=True)
 
 
 def explain(model_or_fn: Any, *args: Any, options: dict | None = None, **kwargs: Any) -> str:

@@ -248,9 +248,23 @@ def _meta_tensor(m: TensorMeta) -> torch.Tensor:
 
 def _fake_layout_call(n: Node, args: tuple, kwargs: dict) -> Any:
     """``n``'s op on fake tensors of its device laid out as the meta tensors ``args`` (see
-    ``_FAKE_LAYOUT_OPS``), its result as a meta tensor of the same layout."""
+    ``_FAKE_LAYOUT_OPS``), its results as meta tensors of the same layouts."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    device = n.meta.device if isinstance(n.meta, TensorMeta) else torch.device("cpu")
+    metas = [m for m in _walk_metas(n.meta) if isinstance(m, TensorMeta)]
+    device = metas[0].device if metas else torch.device("cpu")
+
+    def layouts(v):
+        if isinstance(v, torch.Tensor):
+            return tuple(v.shape), tuple(v.stride()), v.dtype
+        return tuple(layouts(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+    def to_meta(v, like):
+        if isinstance(like, torch.Tensor):
+            return torch.empty_strided(v[0], v[1], dtype=v[2], device="meta")
+        if isinstance(like, (list, tuple)):
+            return tuple(to_meta(a, b) for a, b in zip(v, like))
+        return v
+
     with FakeTensorMode():
         def fake(t):
             if isinstance(t, torch.Tensor):
@@ -258,8 +272,16 @@ def _fake_layout_call(n: Node, args: tuple, kwargs: dict) -> Any:
             return t
         r = n.target(*[_map_tree(x, fake) for x in args],
                       **{k: _map_tree(v, fake) for k, v in kwargs.items()})
-        layout = (tuple(r.shape), tuple(r.stride()), r.dtype)
-    return torch.empty_strided(layout[0], layout[1], dtype=layout[2], device="meta")
+        shapes = layouts(r)
+    return to_meta(shapes, r)
+
+
+def _walk_metas(m: Any):
+    if isinstance(m, tuple):
+        for x in m:
+            yield from _walk_metas(x)
+    else:
+        yield m
 
 
 def _propagate(graph: Graph, args: Sequence[Any]) -> tuple[dict, dict]:
@@ -332,7 +354,15 @@ def _propagate(graph: Graph, args: Sequence[Any]) -> tuple[dict, dict]:
         a, kw = call_args(n, val, val)
         try:
             out = _fake_layout_call(n, a, kw) if n.op in _FAKE_LAYOUT_OPS else n.target(*a, **kw)
-        except Exception as e:  # a meta kernel that is missing: say which node
+        except NotImplementedError as e:
+            # no meta kernel (``histogram``, ...): fake tensors, as Dynamo traced it (their
+            # fallback runs the op's own kernel on zeros where its output sizes allow)
+            try:
+                out = _fake_layout_call(n, a, kw)
+            except Exception as e2:
+                raise NotImplementedError(f"cannot re-plan %{n.id} ({n.op}) for new shapes on "
+                                          f"the meta device: {e}; with fake tensors: {e2}") from e
+        except Exception as e:  # say which node
             raise NotImplementedError(f"cannot re-plan %{n.id} ({n.op}) for new shapes on the "
                                       f"meta device: {e}") from e
         if isinstance(out, torch.Tensor) and _same_layout(out, n.meta) and \
@@ -349,7 +379,20 @@ def _propagate(graph: Graph, args: Sequence[Any]) -> tuple[dict, dict]:
             metas[n] = n.meta
         else:
             metas[n] = to_meta(out, n.meta)
+            if not _same_kind(metas[n], n.meta):
+                raise NotImplementedError(f"re-planning %{n.id} ({n.op}) for new shapes gave "
+                                          f"{metas[n]}, where the graph has {n.meta}")
     return metas, scalars
+
+
+def _same_kind(new: Any, traced: Any) -> bool:
+    """``new`` has ``traced``'s structure: a tensor where it has a tensor, tuples as long."""
+    if isinstance(traced, TensorMeta):
+        return isinstance(new, TensorMeta)
+    if isinstance(traced, tuple):
+        return isinstance(new, tuple) and len(new) == len(traced) and \
+            all(_same_kind(a, b) for a, b in zip(new, traced))
+    return True
 
 
 def _same_layout(t: torch.Tensor, m: Any) -> bool:

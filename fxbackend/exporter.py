@@ -99,7 +99,22 @@ def export(model: torch.nn.Module, args: Any = (), kwargs: dict | None = None,
         ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes,
                                  strict=False)
         ep = ep.run_decompositions(_decompositions())
-    return _from_exported_program(ep, args, kwargs, opts)
+    return _from_exported_program(_without_effect_tokens(ep), args, kwargs, opts)
+
+
+def _without_effect_tokens(ep: Any) -> Any:
+    """``ep`` with its effect tokens removed: ops with side effects (``linalg.inv``'s error
+    check, ...) are ordered by tokens threaded through the graph's inputs and outputs; a plan
+    runs its steps in order, so each ``with_effects`` becomes a plain call of its op."""
+    from torch.export.graph_signature import InputKind
+    if not any(spec.kind == InputKind.TOKEN for spec in ep.graph_signature.input_specs):
+        return ep
+    try:
+        from torch.export._remove_effect_tokens_pass import _remove_effect_tokens
+    except ImportError as e:  # a private pass of torch's: say what is missing, not a stack
+        raise ReplayError("export: the model calls ops with side effects (effect tokens) and "
+                          "this torch has no pass to remove their tokens") from e
+    return _remove_effect_tokens(ep)
 
 
 def _from_exported_program(ep: Any, args: tuple, kwargs: dict, opts: Options) -> ExportedPlan:

@@ -26,10 +26,17 @@ SYM_OPS: dict[str, Any] = {
     "sym.pow": operator.pow, "sym.neg": operator.neg, "sym.eq": operator.eq,
     "sym.ne": operator.ne, "sym.lt": operator.lt, "sym.le": operator.le, "sym.gt": operator.gt,
     "sym.ge": operator.ge, "sym.and": operator.and_, "sym.or": operator.or_,
+    "sym.xor": operator.xor, "sym.lshift": operator.lshift, "sym.rshift": operator.rshift,
+    "sym.abs": operator.abs, "sym.trunc": math.trunc,
     "sym.ceil": math.ceil, "sym.floor": math.floor, "sym.sym_max": torch.sym_max,
     "sym.sym_min": torch.sym_min, "sym.sym_not": torch.sym_not, "sym.sym_float": torch.sym_float,
-    "sym.sym_int": torch.sym_int, "sym.sym_sum": torch.sym_sum, "sym.sym_ite": torch.sym_ite, "sym.sym_sqrt": getattr(torch, "_sym_sqrt", math.sqrt),
+    "sym.sym_int": torch.sym_int, "sym.sym_sum": torch.sym_sum, "sym.sym_ite": torch.sym_ite,
+    "sym.sym_sqrt": getattr(torch, "_sym_sqrt", math.sqrt),
 }
+# torch's math functions on symbolic floats (``math.log2(size)`` traces to ``torch._sym_log2``)
+for _name in ("cos", "sin", "tan", "cosh", "sinh", "tanh", "asin", "acos", "atan", "log2"):
+    if hasattr(torch, f"_sym_{_name}"):
+        SYM_OPS[f"sym.sym_{_name}"] = getattr(torch, f"_sym_{_name}")
 _SYM_BY_TARGET = {v: k for k, v in SYM_OPS.items()}
 
 

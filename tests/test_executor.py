@@ -4,6 +4,7 @@ FXB_DUMP, per-call allocation, counters, dtypes, aliasing outputs, dead code and
 """
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -497,3 +498,83 @@ def test_profile_option_times_every_step(no_grad):
     torch._dynamo.reset()
     plain = capture(fn, x, w, exact=False).graph.plan_for([x, w])
     assert "_pc()" not in plain.source and "not profiled" in plain.profile_report()
+
+
+# -- graphs found by running torch's operator samples through the backend -------------------------
+
+class _Inverse(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(3, 3) + 3 * torch.eye(3))
+
+    def forward(self, a):
+        return torch.linalg.inv(a @ self.w) + 1
+
+
+def test_ops_with_side_effects_keep_their_order_and_the_weights(no_grad):
+    """``linalg.inv`` checks its result with an op that has side effects (ordered by effect
+    tokens): the graph runs without token arguments, its parameter is still a weight, and the
+    check still raises."""
+    m = _Inverse()
+    a = torch.randn(3, 3) + 3 * torch.eye(3)
+    compiled = torch.compile(m, backend="fxbackend")
+    with fxbackend.record_graphs() as graphs:
+        out = compiled(a)
+    torch.testing.assert_close(out, m(a))
+    (g,) = graphs
+    assert [n.is_weight for n in g.graph.inputs] == [True, False]
+    assert fxbackend.stats()["calls"] == 1
+    with pytest.raises(torch.linalg.LinAlgError, match="singular"):
+        compiled(torch.zeros(3, 3))
+
+
+def test_exported_ops_with_side_effects(no_grad, tmp_path):
+    m = _Inverse()
+    a = torch.randn(3, 3) + 3 * torch.eye(3)
+    plan = fxbackend.export(m, (a,))
+    assert plan.input_names == ["a"] and set(plan.weights) == {"w"}
+    fxbackend.save(plan, tmp_path / "inv.fxb")
+    loaded = fxbackend.load(tmp_path / "inv.fxb")
+    for p in (plan, loaded):
+        torch.testing.assert_close(p(a), m(a))
+        with pytest.raises(torch.linalg.LinAlgError, match="singular"):
+            p(torch.zeros(3, 3))
+
+
+_SIZE_ARITHMETIC = {
+    # sizes computed with Python arithmetic on symbolic sizes that Dynamo records as is
+    "trunc": lambda x: x.flatten()[:math.trunc(x.shape[0] * 1.5)] * 2,
+    "abs": lambda x: x.flatten()[:abs(x.shape[0] - 40)] * 2,
+    "shifts": lambda x: x.flatten()[:(x.shape[0] << 1) + (x.shape[1] >> 1)] * 2,
+    "xor": lambda x: x.flatten()[:x.shape[0] ^ 1] * 2,
+    "log2": lambda x: x.flatten()[:int(math.log2(x.shape[0]) * 3)] * 2,
+    "interpolate_nearest": lambda x: F.interpolate(x[None, None], scale_factor=1.7),
+    "interpolate_bilinear": lambda x: F.interpolate(x[None, None], scale_factor=1.7,
+                                                    mode="bilinear"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_SIZE_ARITHMETIC))
+def test_symbolic_size_arithmetic_is_planned_per_shape(no_grad, name):
+    fn = _SIZE_ARITHMETIC[name]
+    compiled = torch.compile(fn, backend="fxbackend", dynamic=True)
+    for shape in [(7, 9), (10, 12), (13, 5)]:
+        x = torch.randn(shape)
+        assert_same(compiled(x), fn(x), exact=False, rtol=1e-5, atol=1e-6)
+    s = fxbackend.stats()
+    assert s["graphs_compiled"] == 1 and s["plans_built"] == 3
+
+
+def test_op_without_a_meta_kernel_is_replanned_with_fake_tensors(no_grad):
+    """``histogram`` has no meta kernel: the plans of a graph with a symbolic input get its
+    shapes from fake tensors.  (Dynamo traces ``histogram`` only for a 0-dim input.)"""
+    def fn(x, n):
+        hist, edges = torch.histogram(x, 4)
+        return hist * n, edges
+
+    compiled = torch.compile(fn, backend="fxbackend", dynamic=True)
+    for n in (3, 5, 8):
+        x = torch.randn(())
+        assert_same(compiled(x, n), fn(x, n))
+    s = fxbackend.stats()
+    assert s["graphs_compiled"] == 1 and s["plans_built"] == 3
