@@ -265,8 +265,13 @@ class ModulationFusion:
                     nodes=nodes[i:k + 2], inner=inner)
 
     def _why_not(self, ch) -> str | None:
-        """Declines on dataflow metadata (before the kernel's own ``why_not``): the chain's own
-        nodes in one dtype; a widened x and a narrowed result only around float32."""
+        """Declines on dataflow metadata (before the kernel's own ``why_not``): a scale or shift
+        that the chain computes; the chain's own nodes in one dtype; a widened x and a narrowed result only around float32."""
+        inside = set(ch["nodes"])
+        if ch["shift"] in inside or ch["s_src"] in inside:
+            # x * norm(x) + norm(x), norm(x) * (c + s) + (c + s), ...: the kernel reads its
+            # scale and shift from the step's inputs, which values of the chain are not
+            return "the scale or shift is a value of the chain itself"
         x, out = ch["x"].meta, ch["out"].meta
         core = [ch["norm"].srcs[0].meta, ch["s_src"].meta, ch["s_op"].meta, ch["shift"].meta,
                 ch["n"].meta, ch["mul"].meta, ch["add"].meta]

@@ -335,6 +335,33 @@ def test_norm_read_twice_or_statistics_read_are_not_fused(rule):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("form", ["shift_is_norm", "scale_is_widened_x"])
+def test_scale_or_shift_computed_by_the_chain_declines(form):
+    """A scale or shift that is a value of the chain (the norm's result; the widened x, which
+    the claim with the cast would hold) is not a step input: the shipped rule declines that
+    claim with its reason, and the plan gives eager's values (found by
+    tests/test_graph_fuzz.py: the step read a value it did not have)."""
+    def f(x, s):
+        if form == "shift_is_norm":
+            n = torch.nn.functional.layer_norm(x, (16,), eps=EPS)
+            return x * n + n
+        xf = x.bfloat16().float()
+        return xf * torch.nn.functional.layer_norm(xf, (16,), eps=EPS) + s
+
+    x, _ = _inputs()
+    s = torch.randn(2, 1, 16)
+    with torch.no_grad():
+        want = f(x, s)
+    text = fxbackend.explain(f, x, s)
+    assert "the scale or shift is a value of the chain itself" in text, text
+    fxbackend.reset_stats()
+    got = torch.compile(f, backend="fxbackend")(x, s)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # the norm's chain alone still fuses where its scale is an input of it (the widened x)
+    fused = fxbackend.stats()["fusions_by_rule"].get("modulation", 0)
+    assert fused == (0 if form == "shift_is_norm" else 1)
+
+
 def test_affine_layer_norm_is_not_a_chain(rule):
     ln = torch.nn.LayerNorm(16)
     mod = lambda x, s, h: ln(x) * (1 + s) + h  # noqa: E731
