@@ -1313,6 +1313,17 @@ class ExportedPlan:
         return doc, tensors
 
 
+def _own_copy(t: torch.Tensor, m: TensorMeta) -> torch.Tensor:
+    """``t`` copied into new memory on ``m``'s device with ``m``'s (dense) strides.
+
+    safetensors hands out tensors that are views into read-only bytes objects, whose data is
+    aligned to as little as the element size.  Kept as they are, a loaded plan's weights would
+    be read at other alignments than the saved plan's, and results can depend on that: torch's
+    CPU GEMM gives other bits for an operand aligned to less than 16 bytes (a linear's input at
+    4 or 8 bytes, measured); and ``update_weights`` would write into the bytes objects."""
+    return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=m.device).copy_(t)
+
+
 def _dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
     """Whether ``stride`` lays ``shape`` out densely without overlap (a permutation of
     contiguous strides; size-1 dims are free)."""
@@ -1658,7 +1669,7 @@ def _build(doc: dict, blob: bytes, device: Any, options: dict | None, check: boo
         if not isinstance(key, str) or key not in stored:
             raise ReplayError(f"{where}: its tensor {_short(key)} is missing from the weights "
                               f"section")
-        t = stored[key]
+        t = moved[key] if key in moved else stored[key]
         m = n.meta
         if not isinstance(m, TensorMeta) or m.is_symbolic:
             raise r.fail(where, "a weight has static tensor metadata")
@@ -1669,11 +1680,10 @@ def _build(doc: dict, blob: bytes, device: Any, options: dict | None, check: boo
             raise r.fail(where, f"weight strides {list(m.stride)} (offset {m.storage_offset}) "
                                 f"are not a dense layout of shape {list(m.shape)}")
         if key not in moved:
-            if tuple(m.stride) == contiguous_strides(m.shape):
-                moved[key] = t.to(m.device)
-            else:
-                moved[key] = torch.empty_strided(m.shape, m.stride, dtype=m.dtype,
-                                                 device=m.device).copy_(t)
+            # the plan's own memory: safetensors' tensors are views into read-only bytes, at
+            # any alignment (_own_copy)
+            moved[key] = _own_copy(t, m)
+            stored[key] = None  # its bytes can go
         have = moved[key]
         if any(sz > 1 and a != b for sz, a, b in zip(m.shape, have.stride(), m.stride)):
             raise r.fail(where, f"strides {list(m.stride)} differ from those of the tensor it "
