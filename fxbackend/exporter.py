@@ -85,7 +85,8 @@ def export(model: torch.nn.Module, args: Any = (), kwargs: dict | None = None,
     dict.  ``options`` are the backend options (:class:`fxbackend.Options`).  Export the model
     in eval mode: the plan runs inference (no grad).  Runtime checks that ``torch.export`` adds
     on tensor metadata (``aten._assert_tensor_metadata``) are dropped: the plan checks its
-    inputs itself.
+    inputs itself.  A model that writes one of its inputs (``x.add_(1)``) gives a plan that
+    writes the caller's tensor the same way; one that writes a buffer is a ReplayError.
     """
     from .extensions import load_extensions
     opts = parse_options(options)
@@ -121,10 +122,6 @@ def _from_exported_program(ep: Any, args: tuple, kwargs: dict, opts: Options) ->
     from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
     gm = ep.graph_module
     sig = ep.graph_signature
-    for spec in sig.output_specs:
-        if spec.kind != OutputKind.USER_OUTPUT:
-            raise ReplayError(f"export: the model writes {spec.target or spec.arg} during its "
-                              f"forward ({spec.kind.name}); a replayed plan cannot")
     for n in list(gm.graph.nodes):
         if n.op == "call_function" and n.target is torch.ops.aten._assert_tensor_metadata.default:
             gm.graph.erase_node(n)
@@ -132,6 +129,7 @@ def _from_exported_program(ep: Any, args: tuple, kwargs: dict, opts: Options) ->
     if len(placeholders) != len(sig.input_specs):
         raise ReplayError(f"export: {len(placeholders)} graph inputs but "
                           f"{len(sig.input_specs)} input specs")
+    _inputs_written_in_place(gm, placeholders, sig)
     weights: dict[str, torch.Tensor] = {}
     kinds: dict[str, str] = {}
     user_leaves: list = []  # per flat user input (pytree leaf): ("input", ph) or ("const", v)
@@ -208,6 +206,36 @@ def _from_exported_program(ep: Any, args: tuple, kwargs: dict, opts: Options) ->
         _, bind = plan._check_inputs(plan._bind_call(args, kwargs))
         plan.symbols = {s: dataclasses.replace(r, hint=bind.get(s)) for s, r in symbols.items()}
     return plan
+
+
+def _inputs_written_in_place(gm: torch.fx.GraphModule, placeholders: list, sig: Any) -> None:
+    """Turn the exported graph's input mutations (its ``USER_INPUT_MUTATION`` outputs: the new
+    value of an input the model writes, ``x.add_(1)``) into ``aten.copy_`` of the value into
+    that input at the end of the graph, as aot_autograd's inference graphs write them: the
+    plan writes the caller's tensor as the model does, and its outputs are the model's own.
+    Other state written during the forward (buffers) is refused with a ReplayError."""
+    from torch.export.graph_signature import InputKind, OutputKind
+    out = gm.graph.output_node()
+    values = list(out.args[0])
+    if len(values) != len(sig.output_specs):
+        raise ReplayError(f"export: {len(values)} graph outputs but {len(sig.output_specs)} "
+                          f"output specs")
+    by_name = {spec.arg.name: ph for ph, spec in zip(placeholders, sig.input_specs)
+               if spec.kind == InputKind.USER_INPUT}
+    kept = []
+    for v, spec in zip(values, sig.output_specs):
+        if spec.kind == OutputKind.USER_OUTPUT:
+            kept.append(v)
+        elif spec.kind == OutputKind.USER_INPUT_MUTATION and spec.target in by_name:
+            ph = by_name[spec.target]
+            with gm.graph.inserting_before(out):
+                write = gm.graph.call_function(torch.ops.aten.copy_.default, (ph, v))
+            write.meta["val"] = ph.meta["val"]  # copy_ returns its destination
+        else:
+            raise ReplayError(f"export: the model writes {spec.target or spec.arg} during its "
+                              f"forward ({spec.kind.name}); a replayed plan cannot")
+    if len(kept) != len(values):
+        out.args = (tuple(kept),)
 
 
 def _finite(v: Any) -> bool:

@@ -40,7 +40,7 @@ import torch
 
 from . import ops as _ops
 from .executor import CompiledGraph, Plan, _propagate
-from .ir import Graph, Node, ScalarMeta, TensorMeta, contiguous_strides
+from .ir import Graph, Node, ScalarMeta, TensorMeta, contiguous_strides, storage_root
 from .lower import SYM_OPS, _UNANNOTATED_VIEWS, _return_alias_sets, is_tensor_type
 from .options import parse_options
 
@@ -959,7 +959,13 @@ class ExportedPlan:
         self.user_inputs = list(user_inputs)
         self._position = {n: i for i, n in enumerate(self.user_inputs)}
         self.derived_inputs = derived
-        self._checked: dict = {}  # input signature -> (symbol values, inputs made contiguous)
+        # input signature -> (symbol values, ((input position, strides it is copied to), ...))
+        self._checked: dict = {}
+        self._scalar_positions = [i for i, n in enumerate(self.user_inputs)
+                                  if isinstance(n.meta, ScalarMeta)]
+        # user inputs the graph writes in place (the model's own writes into its inputs)
+        self._written = {storage_root(n)[0] for n in self.graph.nodes
+                         if n.inplace_of is not None} & set(self.user_inputs)
         for n in self.graph.nodes:
             if n.op == "constant" and n.annotations.get("value") is not \
                     self.weights[self.names[n]]:
@@ -1018,20 +1024,25 @@ class ExportedPlan:
             if len(values) != len(self.user_inputs):
                 raise ReplayError(f"expected {len(self.user_inputs)} inputs "
                                   f"{self.input_names}, got {len(values)}")
+        for i in self._scalar_positions:  # a number given as a 0-dim tensor: its value
+            if isinstance(values[i], torch.Tensor) and values[i].dim() == 0:
+                values[i] = values[i].item()
         key = tuple((tuple(v.shape), v.stride(), v.dtype, v.device) if isinstance(v, torch.Tensor)
                     else (type(v), v if isinstance(v, (int, float, str)) else id(v))
                     for v in values)
         seen = self._checked.get(key)
+        given = list(values)
         if seen is None:  # new shapes: check them (sizes, ranges, layouts) once
-            checked, bind = self._check_inputs(values)
-            fix = tuple(i for i, (a, b) in enumerate(zip(values, checked)) if a is not b)
+            checked, bind = self._check_inputs(list(values))  # it replaces what it relays out
+            fix = tuple((i, b.stride()) for i, (a, b) in enumerate(zip(values, checked))
+                        if a is not b)
             if len(self._checked) < 64:
                 self._checked[key] = (bind, fix)
             values = checked
         else:
             bind, fix = seen
-            for i in fix:
-                values[i] = values[i].contiguous()
+            for i, stride in fix:
+                values[i] = _relaid(values[i], stride)
         args = []
         for kind, x in self._slots:
             if kind == "weight":
@@ -1041,7 +1052,11 @@ class ExportedPlan:
             else:
                 args.append(values[self._position[x]])
         with torch.no_grad():
-            return self.compiled.run(args)
+            outs = self.compiled.run(args)
+            for i, _ in fix:  # an input the plan writes, given in another layout: write it back
+                if self.user_inputs[i] in self._written:
+                    given[i].copy_(values[i])
+        return outs
 
     def _bind_call(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list:
         """Flat user inputs from a call shaped like the exported one."""
@@ -1082,8 +1097,8 @@ class ExportedPlan:
 
     def _check_inputs(self, values: list) -> tuple[list, dict]:
         """Check the user inputs against the saved metadata and symbol ranges; returns the
-        values (non-contiguous ones made contiguous where the plan expects that) and the value
-        of every symbol."""
+        values (inputs in another layout than the plan's copied to the plan's where that is
+        dense; a ReplayError where it is not) and the value of every symbol."""
         bind: dict = {}
         pending = []
         for i, (n, v) in enumerate(zip(self.user_inputs, values)):
@@ -1139,11 +1154,10 @@ class ExportedPlan:
             stride = [_subst(s, bind) for s in m.stride]
             if all(sz <= 1 or a == b for sz, a, b in zip(v.shape, v.stride(), stride)):
                 continue
-            if tuple(stride) == contiguous_strides(tuple(v.shape)):
-                values[i] = v.contiguous()
-            else:
+            if not _dense(v.shape, stride):
                 raise ReplayError(f"input {self.names[n]!r}: expected strides {tuple(stride)}, "
                                   f"got {v.stride()}")
+            values[i] = _relaid(v, tuple(stride))
         return values, bind
 
     def _bind(self, bind: dict, sym: Any, value: int, name: str, dim: int | None) -> None:
@@ -1322,6 +1336,13 @@ def _own_copy(t: torch.Tensor, m: TensorMeta) -> torch.Tensor:
     CPU GEMM gives other bits for an operand aligned to less than 16 bytes (a linear's input at
     4 or 8 bytes, measured); and ``update_weights`` would write into the bytes objects."""
     return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=m.device).copy_(t)
+
+
+def _relaid(v: torch.Tensor, stride: tuple) -> torch.Tensor:
+    """A copy of ``v`` with the dense layout ``stride``."""
+    if stride == contiguous_strides(tuple(v.shape)):
+        return v.contiguous()
+    return torch.empty_strided(v.shape, stride, dtype=v.dtype, device=v.device).copy_(v)
 
 
 def _dense(shape: Sequence[int], stride: Sequence[int]) -> bool:

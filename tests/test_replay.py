@@ -3,7 +3,8 @@
 - round trips of diffusers Flux, SD3 and UNet (tiny): exported, saved, loaded and run in a fresh
   process: bitwise equal to the plan before saving, within 1e-5 of eager;
 - plans from torch.compile (record_graphs / from_compiled), dynamic shapes and their ranges,
-  update_weights against re-exporting, custom ops (serialize/deserialize, unknown ops naming
+  update_weights against re-exporting, calls with other layouts, numbers as 0-dim tensors and
+  models writing their inputs, custom ops (serialize/deserialize, unknown ops naming
   their extension), dangerous op names, damaged files, the CLI, moving attention to another
   device type, and the golden files of every format version (tests/golden/).
 """
@@ -285,6 +286,74 @@ def test_dynamic_export_replays_within_its_range(tmp_path):
         loaded(torch.randn(2, 7, 8))
     with pytest.raises(ReplayError, match=r"input 'x': dim 0 is 3, expected 2"):
         loaded(torch.randn(3, 6, 8))
+
+
+# -- calls: layouts, numbers, inputs written ------------------------------------------------------
+
+def test_non_contiguous_inputs_on_every_call():
+    """A plan exported for a contiguous input gets a contiguous copy of a transposed one on every
+    call, not only the first (the check's result is cached per layout)."""
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return x.view(-1) * 2
+
+    plan = fxbackend.export(M().eval(), (torch.randn(4, 3),))
+    for _ in range(3):
+        x = torch.randn(3, 4).t()
+        assert torch.equal(plan(x), x.contiguous().view(-1) * 2)
+
+
+def test_number_inputs_given_as_0_dim_tensors():
+    """A symbolic number input (``n`` of a ``dynamic=True`` compile) given as a 0-dim tensor is
+    its value, on every call and whatever the value."""
+    def f(x, n):
+        return x * n + x.shape[0]
+
+    compiled = torch.compile(f, backend="fxbackend", dynamic=True)
+    with fxbackend.record_graphs() as graphs:
+        compiled(torch.randn(4, 3), 3)
+    plan = fxbackend.from_compiled(graphs[0])
+    assert plan.input_names == ["x", "n"]
+    x = torch.randn(4, 3)
+    for n in (3, 5, torch.tensor(3), torch.tensor(5), 7):
+        assert torch.equal(plan.run([x, n])[0], f(x, int(n)))
+
+
+class _WritesInputs(torch.nn.Module):
+    def forward(self, x, y):
+        x.add_(1)             # the whole input
+        y[:, 1:].mul_(2)      # through a view
+        return y * x
+
+
+def test_export_of_a_model_writing_its_inputs(tmp_path):
+    """The plan writes the caller's tensors as the model does (after saving and loading too),
+    also when the caller's tensor has another layout than the export's (the plan runs on a
+    contiguous copy and writes it back); a model writing a buffer is refused."""
+    model = _WritesInputs().eval()
+    example = (torch.randn(4, 3), torch.randn(3, 4).t())
+    plan = fxbackend.export(model, tuple(t.clone() for t in example))
+    plan.save(tmp_path / "writes.fxb")
+    loaded = fxbackend.load(tmp_path / "writes.fxb")
+    for p in (plan, loaded):
+        for x, y in (example, (torch.randn(3, 4).t(), torch.randn(4, 3))):
+            want_x, want_y = x.clone(), y.clone()
+            want = model(want_x, want_y)
+            got = p(x, y)
+            assert torch.equal(got, want)
+            assert torch.equal(x, want_x) and torch.equal(y, want_y)
+
+    class Counter(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("steps", torch.zeros(()))
+
+        def forward(self, x):
+            self.steps.add_(1)
+            return x * self.steps
+
+    with pytest.raises(ReplayError, match=r"writes steps during its forward \(BUFFER_MUTATION\)"):
+        fxbackend.export(Counter().eval(), (torch.randn(3),))
 
 
 # -- update_weights --------------------------------------------------------------------------------
