@@ -1,11 +1,12 @@
 """Whole-graph fuzzing: random straight-line programs (``tests/graph_fuzz.py``) compiled with
 fxbackend against eager.
 
-Each drawn program is compiled four ways (default options, fusion off, streams forced on: the
-CPU thread pool runs independent branches; ``dynamic=True``) and run twice per compile, so the second call
-reuses the plan and its arena.  Every output and every input the program writes must equal
-eager's within 1e-5 (fused kernels may sum in another order), and with streams on the results
-must be bit for bit those of the same plan with streams off.  A failure prints the program's
+Each drawn program is compiled five ways (default options, fusion off, streams forced on: the
+CPU thread pool runs independent branches; ``dynamic=True``; inputs with reversed strides) and
+run twice per compile, so the second call reuses the plan and its arena.  Every output and
+every input the program writes must equal eager's within 1e-5 (fused kernels may sum in another
+order), and with streams on the results must be bit for bit those of the same plan with streams
+off.  The same programs are also exported, saved and replayed.  A failure prints the program's
 source.
 """
 from __future__ import annotations
@@ -26,11 +27,13 @@ _SETTINGS = settings(max_examples=int(_EXAMPLES or 40), derandomize=_EXAMPLES is
                      deadline=None, database=None,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
-#: name -> (compile options, torch.compile's ``dynamic``)
-_VARIANTS = {"default": ({}, None), "unfused": ({"fusion": False}, None),
-             "streams": ({"streams": True}, None),
+#: name -> (compile options, torch.compile's ``dynamic``, inputs non-contiguous)
+_VARIANTS = {"default": ({}, None, False), "unfused": ({"fusion": False}, None, False),
+             "streams": ({"streams": True}, None, False),
              # symbolic sizes (those the program does not pin), planned per shape
-             "dynamic": ({}, True)}
+             "dynamic": ({}, True, False),
+             # every input of two or more dims with its strides reversed
+             "strided": ({}, None, True)}
 
 
 def _function(program):
@@ -40,9 +43,12 @@ def _function(program):
     return scope["program"], text
 
 
-def _inputs(program, seed: int) -> list[torch.Tensor]:
+def _inputs(program, seed: int, strided: bool = False) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=g) for s in program.inputs]
+    if not strided:
+        return [torch.randn(s, generator=g) for s in program.inputs]
+    return [torch.randn(s[::-1], generator=g).permute(*range(len(s) - 1, -1, -1))
+            for s in program.inputs]
 
 
 def _compare(got, want, what: str, text: str, exact: bool = False) -> None:
@@ -63,7 +69,7 @@ def _compare(got, want, what: str, text: str, exact: bool = False) -> None:
 def test_random_programs_match_eager(variant, program):
     fn, text = _function(program)
     torch._dynamo.reset()
-    options, dynamic = _VARIANTS[variant]
+    options, dynamic, strided = _VARIANTS[variant]
     compiled = torch.compile(fn, backend="fxbackend", options=options, dynamic=dynamic)
     # the same plan run one branch after another: what streams must reproduce exactly
     serial = (torch.compile(fn, backend="fxbackend", options={"streams": False})
@@ -71,7 +77,7 @@ def test_random_programs_match_eager(variant, program):
     calls = fxbackend.stats()["calls"]
     with torch.no_grad():
         for seed in (0, 1):  # the second call runs the cached plan on new values
-            args = _inputs(program, seed)
+            args = _inputs(program, seed, strided)
             eager_args = [a.clone() for a in args]
             want = fn(*eager_args)
             got = compiled(*args)
@@ -84,3 +90,30 @@ def test_random_programs_match_eager(variant, program):
                 _compare(args, serial_args, f"call {seed}: streams off, input", text, exact=True)
     if program.computes:  # a program of views alone may give Dynamo nothing to compile
         assert fxbackend.stats()["calls"] >= calls + 2, f"fxbackend ran nothing\n{text}"
+
+
+class _Module(torch.nn.Module):
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+@_SETTINGS
+@given(program=draw_program())
+def test_random_programs_replay_as_eager(program, tmp_path_factory):
+    """The same programs exported (``fxbackend.export``), saved, loaded and run twice: eager's
+    outputs, and eager's values in the inputs the program writes."""
+    fn, text = _function(program)
+    path = tmp_path_factory.mktemp("fuzz") / "program.fxb"
+    with torch.no_grad():
+        fxbackend.export(_Module(fn).eval(), tuple(_inputs(program, 0))).save(path)
+        plan = fxbackend.load(path)
+        for seed in (0, 1):
+            args = _inputs(program, seed)
+            eager_args = [a.clone() for a in args]
+            want = fn(*eager_args)
+            _compare(plan(*args), want, f"call {seed}: output", text)
+            _compare(args, eager_args, f"call {seed}: input", text)
