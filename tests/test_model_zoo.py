@@ -2,7 +2,7 @@
 ``fxbackend.models``' table): each through ``torch.compile(backend="fxbackend")`` against eager.
 
 - float32: every output within 1e-5 of eager (relative to its largest value);
-- bf16: bit for bit eager's, except three models noted at ``BF16_NOT_EXACT``.
+- bf16: bit for bit eager's, except four models noted at ``BF16_NOT_EXACT``.
 
 Graph breaks are the models' (HiDream's expert routing, Mochi's ``nonzero``, Lumina 2's
 ``.item()``): every piece between them runs through fxbackend.
@@ -38,6 +38,11 @@ BF16_NOT_EXACT = {
     # and strides (checked node by node); torch's own aot_eager raises on these graphs in bf16
     "vae_decode": 1e-2,
     "kandinsky21_unet": 1e-2,
+    # channels_last_convs: the RMS norm of every block (F.normalize over the channels) sums
+    # its float32 squares along the channels-last rows, in another order than over eager's
+    # NCDHW channel planes; on an AVX-512 CPU some bf16 roundings move (6.8e-3 at the output;
+    # Inductor 2.0e-2), with the rule off it is exact
+    "wanvae_decode": 1e-2,
 }
 
 
