@@ -54,7 +54,7 @@ _UNARY = ["torch.tanh({})", "torch.sigmoid({})", "torch.relu({})", "({} * 0.5)",
           "torch.nn.functional.gelu({})", "torch.nn.functional.gelu({}, approximate='tanh')",
           "({} + 1.0)", "torch.abs({})",
           # a round trip through bf16 (the casts the rules keep exact)
-          "{}.bfloat16().float()"]
+          "{0}.bfloat16().to({0}.dtype)"]
 #: normalisations over the last dim, as models write them (the rules' idioms)
 _NORMS = ["torch.nn.functional.layer_norm({}, ({},))",
           "torch.nn.functional.rms_norm({}, ({},), eps=1e-6)",
@@ -236,7 +236,7 @@ IDIOMS = {
                     "{w}.sum(1)), approximate='tanh')", "w"),
     "linear_silu": ("torch.nn.functional.silu(torch.nn.functional.linear({x}, {w}))", "w"),
     # scale, then a 16-bit copy (read back in float32)
-    "scale_cast": ("({x} * 0.125).bfloat16().float()", "d"),
+    "scale_cast": ("({x} * 0.125).bfloat16().to({x}.dtype)", "d"),
 }
 
 
