@@ -1031,18 +1031,18 @@ class ExportedPlan:
                     else (type(v), v if isinstance(v, (int, float, str)) else id(v))
                     for v in values)
         seen = self._checked.get(key)
-        given = list(values)
         if seen is None:  # new shapes: check them (sizes, ranges, layouts) once
             checked, bind = self._check_inputs(list(values))  # it replaces what it relays out
             fix = tuple((i, b.stride()) for i, (a, b) in enumerate(zip(values, checked))
-                        if a is not b)
+                        if a is not b and isinstance(b, torch.Tensor))
             if len(self._checked) < 64:
                 self._checked[key] = (bind, fix)
-            values = checked
         else:
             bind, fix = seen
+            checked = list(values) if fix else values
             for i, stride in fix:
-                values[i] = _relaid(values[i], stride)
+                checked[i] = _relaid(values[i], stride)
+        given, values = values, checked
         args = []
         for kind, x in self._slots:
             if kind == "weight":
@@ -1340,8 +1340,6 @@ def _own_copy(t: torch.Tensor, m: TensorMeta) -> torch.Tensor:
 
 def _relaid(v: torch.Tensor, stride: tuple) -> torch.Tensor:
     """A copy of ``v`` with the dense layout ``stride``."""
-    if stride == contiguous_strides(tuple(v.shape)):
-        return v.contiguous()
     return torch.empty_strided(v.shape, stride, dtype=v.dtype, device=v.device).copy_(v)
 
 

@@ -266,7 +266,8 @@ class ModulationFusion:
 
     def _why_not(self, ch) -> str | None:
         """Declines on dataflow metadata (before the kernel's own ``why_not``): a scale or shift
-        that the chain computes; the chain's own nodes in one dtype; a widened x and a narrowed result only around float32."""
+        that the chain computes; the chain's own nodes in one dtype; a widened x and a narrowed
+        result only around float32."""
         inside = set(ch["nodes"])
         if ch["shift"] in inside or ch["s_src"] in inside:
             # x * norm(x) + norm(x), norm(x) * (c + s) + (c + s), ...: the kernel reads its
