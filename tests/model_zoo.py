@@ -316,8 +316,24 @@ def _cast(x, dtype):
     return x
 
 
-def build(name, dtype=torch.float32, seed=0):
-    """``(module, kwargs)`` of ``ZOO[name]`` in ``dtype`` (floating inputs cast), eval mode."""
+def _batched(v, batch):
+    """``v`` with every tensor whose leading dim is 1 (the batch) made ``batch`` long: the
+    first row as it was, the others its values scaled by 0.9 per row (timesteps stay in range,
+    latents and embeddings differ per row); integer tensors repeated."""
+    if isinstance(v, dict):
+        return {k: _batched(x, batch) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_batched(x, batch) for x in v)
+    if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == 1 and batch != 1:
+        if not v.is_floating_point():
+            return v.repeat(batch, *([1] * (v.dim() - 1)))
+        return torch.cat([v * 0.9 ** i for i in range(batch)])
+    return v
+
+
+def build(name, dtype=torch.float32, seed=0, batch=1):
+    """``(module, kwargs)`` of ``ZOO[name]`` in ``dtype`` (floating inputs cast), eval mode;
+    ``batch`` rows of inputs (``_batched``)."""
     import diffusers
     e = ZOO[name]
     torch.manual_seed(seed)
@@ -339,4 +355,4 @@ def build(name, dtype=torch.float32, seed=0):
     kw = e["inputs"](randn, full)
     if e.get("call") is None and name not in ("uvit2d",):
         kw["return_dict"] = False
-    return model, _cast(kw, dtype)
+    return model, _cast(_batched(kw, batch), dtype)

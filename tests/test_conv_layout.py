@@ -76,10 +76,21 @@ def test_elementwise_steps_after_the_rows_write_rows(no_grad):
 
 def test_results_equal_eager_bit_for_bit_at_sd3_size(no_grad):
     """On the patch embedding of SD3's small config the channels-last convolution returns the
-    same bits as eager's NCHW one (oneDNN sums in the same order)."""
+    same bits as eager's NCHW one where this CPU's oneDNN sums both layouts in the same order
+    (eager's own channels-last convolution tells; on AVX-512 hosts it does, on AVX2-only ones
+    it does not: there the result is within float32 roundings)."""
     args = _args(c_in=16, c_out=512, hw=64)
+    x, w, b, _ = args
+    cl = torch.channels_last
+    same_bits = torch.equal(torch.nn.functional.conv2d(x, w, b, stride=2),
+                            torch.nn.functional.conv2d(x.contiguous(memory_format=cl),
+                                                       w.contiguous(memory_format=cl), b,
+                                                       stride=2))
     fxbackend.reset_stats()
-    capture(_patch_embed, *args)  # exact
+    if same_bits:
+        capture(_patch_embed, *args)  # exact
+    else:
+        capture(_patch_embed, *args, exact=False, rtol=1e-5, atol=1e-5)
     assert rewrites("conv_channels_last") == 1
 
 

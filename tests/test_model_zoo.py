@@ -46,6 +46,23 @@ BF16_NOT_EXACT = {
 }
 
 
+def _channels_last_bf16_conv_is_exact() -> bool:
+    """Whether this CPU's bf16 3x3 convolution gives the same bits channels-last as NCHW.
+    On CPUs with native bf16 (AVX-512 BF16, AMX) oneDNN sums both in one order; on AVX2-only
+    CPUs it does not, so a model that ``channels_last_convs`` rewrites is within bf16
+    roundings of eager there, not bit for bit (the controlnet: 7e-3, exact with the rule off)."""
+    g = torch.Generator().manual_seed(0)
+    cl = torch.channels_last
+    for c, hw in ((4, 16), (32, 16), (64, 8), (64, 16)):
+        x = torch.randn(1, c, hw, hw, generator=g).bfloat16()
+        w = (torch.randn(c, c, 3, 3, generator=g) * 0.1).bfloat16()
+        if not torch.equal(torch.nn.functional.conv2d(x, w, padding=1),
+                           torch.nn.functional.conv2d(x.contiguous(memory_format=cl),
+                                                      w.contiguous(memory_format=cl), padding=1)):
+            return False
+    return True
+
+
 def _tensors(out) -> list:
     if isinstance(out, torch.Tensor):
         return [out]
@@ -77,23 +94,38 @@ def test_float32_matches_eager(name):
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_bf16_is_eager_bit_for_bit(name):
     ref, out = _run(name, torch.bfloat16)
+    relaid = fxbackend.stats()["rewrites_by_rule"].get("channels_last_convs", 0) > 0
     for r, o in zip(ref, out):
         assert o.dtype == r.dtype and o.shape == r.shape
         if name in BF16_NOT_EXACT:
             assert rel_err(o, r) <= BF16_NOT_EXACT[name]
+        elif relaid and not _channels_last_bf16_conv_is_exact():
+            assert rel_err(o, r) <= 1e-2
         else:
             assert torch.equal(o, r)
 
 
-#: models whose recorded layouts differ from torch's meta functions' on size-1 dims (a batch of
-#: one in channels-last after a view, a channels-last concatenation, Wan's VAE's 3-D causal
-#: convolutions) and Wan's functionalised slice writes: a saved plan must load and replay them
-ROUND_TRIP = ["kandinsky21_unet", "sana", "unet2d", "uvit2d", "vae_decode", "wanvae_decode"]
+#: models that torch.export (non-strict) cannot export, or whose plan cannot be re-planned
+#: at load: with the reason (every other model of the zoo round-trips at batch 1 and 2)
+NO_EXPORT = {
+    "hidream": "the model converts a tensor with .numpy() (torch.export's fake tensors "
+               "refuse), and its expert routing makes batch 2 another graph",
+    "lumina2": "the exported graph carries an unbacked SymInt (the model's .item()), which the "
+               "lowering cannot hash",
+    "mochi": "aten.nonzero has no meta kernel: the plan cannot be re-planned for new shapes",
+}
 
 
-@pytest.mark.parametrize("name", ROUND_TRIP)
-def test_saved_plan_loads_and_replays(name, tmp_path):
-    model, kw = build(name, torch.float32)
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_saved_plan_loads_and_replays(name, batch, tmp_path):
+    """Every zoo model exported (default options, no dynamic_shapes), saved, loaded and
+    replayed: the loaded plan gives the exported plan's bits, within 1e-5 of eager.  Some
+    models' recorded layouts differ from torch's meta functions' on size-1 dims (a batch of
+    one in channels-last after a view, Wan's VAE's 3-D causal convolutions)."""
+    if name in NO_EXPORT:
+        pytest.xfail(NO_EXPORT[name])
+    model, kw = build(name, torch.float32, batch=batch)
     with torch.no_grad():
         ref = _tensors(model(**kw))
     plan = fxbackend.export(model, (), kw)
