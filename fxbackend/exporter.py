@@ -239,9 +239,18 @@ def _inputs_written_in_place(gm: torch.fx.GraphModule, placeholders: list, sig: 
 
 
 def _finite(v: Any) -> bool:
+    """``v`` (a bound of an export range constraint) is a finite integer in range.  torch's
+    ``int_oo`` says ``is_finite`` True, and ``int()`` of it raises AttributeError; sympy's
+    ``oo`` raises TypeError: both are infinite here."""
+    try:
+        from torch.utils._sympy.numbers import IntInfinity, NegativeIntInfinity
+        if isinstance(v, (IntInfinity, NegativeIntInfinity)):
+            return False
+    except ImportError:  # an older torch without int_oo
+        pass
     try:
         return bool(getattr(v, "is_finite", True)) and abs(int(v)) < _MAX_INT
-    except (TypeError, ValueError, OverflowError):
+    except (TypeError, ValueError, OverflowError, AttributeError):
         return False
 
 

@@ -290,6 +290,24 @@ def test_dynamic_export_replays_within_its_range(tmp_path):
 
 # -- calls: layouts, numbers, inputs written ------------------------------------------------------
 
+def test_export_with_an_unbounded_range():
+    """A ``Dim`` with no upper bound gives a range constraint ending in torch's ``int_oo``
+    (which says ``is_finite`` True and cannot be converted with ``int()``): the plan records
+    no upper bound and replays at any size from the lower one."""
+    from torch.utils._sympy.numbers import int_oo
+    from fxbackend.exporter import _finite
+    assert not _finite(int_oo) and not _finite(-int_oo) and _finite(7)
+    model = torch.nn.Linear(4, 3).eval()
+    plan = fxbackend.export(model, (torch.randn(2, 4),),
+                            dynamic_shapes=({0: Dim("b", min=2)},))
+    (rng,) = plan.symbols.values()
+    assert (rng.min, rng.max) == (2, None)
+    for rows in (2, 5, 300):
+        x = torch.randn(rows, 4)
+        with torch.no_grad():
+            assert torch.allclose(plan(x), model(x), rtol=1e-6, atol=1e-6)
+
+
 def test_non_contiguous_inputs_on_every_call():
     """A plan exported for a contiguous input gets a contiguous copy of a transposed one on every
     call, not only the first (the check's result is cached per layout)."""
