@@ -1,6 +1,6 @@
 """fxbackend.cpu_kernels: numba CPU kernels, one module per pattern family."""
-from . import (activation, gated_residual, groupnorm, modulation, rms_rope, rmsnorm,  # noqa: F401
-               rope, scale_cast)
+from . import (activation, fingerprint, gated_residual, groupnorm, modulation,  # noqa: F401
+               rms_rope, rmsnorm, rope, scale_cast)
 from . import int8  # noqa: F401,E402
 from . import int8_fusions  # noqa: F401,E402
 

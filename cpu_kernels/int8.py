@@ -30,8 +30,8 @@ fadd/fsub carry no fast-math flags), so codes and scales are bit-equal to
 Linear (:class:`LinearI8CPU`), three phases, each a whole pass over its data:
 1. ``x_kind="float"``: quantize x into the workspace, in the packed layout
    (``packed_nbytes(M, K)`` bytes); ``packed``/``int8`` operands are read in place.
-   ``w_kind="float"``: the weight is quantized by the same kernel into the step's state when
-   its address or version counter differs from the last quantization (``patterns/int8.py``).
+   ``w_kind="float"``: the weight is quantized by the same kernel, once per model, and again
+   when its weight key (address, layout, fingerprint) changes (``patterns/int8.WeightState``).
 2. ``torch._int_mm(q_x [M, K], q_w.T [K, N])`` (int8 x int8 -> int32, oneDNN/AMX or VNNI
    here), written into the output's own storage reinterpreted as int32 (``out`` is float32
    ``[M, N]``: the same bytes), so the accumulator needs no workspace.  Measured on a shared

@@ -19,12 +19,13 @@ import re
 import sys
 import threading
 import time
+import weakref
 from collections import Counter
 from typing import Any, Sequence
 
 import torch
 
-from . import registry, stats
+from . import registry, stats, weights
 from .ir import Graph, Node, ScalarMeta, TensorMeta, contiguous_strides, node_deps, storage_root
 from .lower import SYM_OPS
 from .concat import ConcatPlan, elide_identity_cats, elide_identity_clones, plan_concat
@@ -227,13 +228,25 @@ _COPY_OPS = ("aten._to_copy.default", "aten.clone.default")
 _FAKE_LAYOUT_OPS = frozenset({"aten.convolution.default"})
 
 
-def _weight_key(t: torch.Tensor) -> Any:
-    """``(data_ptr, version)`` of a weight, to tell whether a value derived from it is stale;
-    a new object (never equal) for a tensor without a version counter (inference mode)."""
-    try:
-        return t.data_ptr(), t._version
-    except RuntimeError:
-        return object()
+def _release_plan(release: dict) -> None:
+    """A plan's finalizer: its counters leave the stats, its kernels' states are destroyed.
+    Never raises (a finalizer's errors would only be printed)."""
+    key = release.get("stats_key")
+    if key is not None:
+        stats.release_plan(key)
+    for kernel, state in release.get("states", ()):
+        destroy = getattr(kernel, "destroy", None)
+        if destroy is not None:
+            try:
+                destroy(state)
+            except Exception:
+                pass
+
+
+def _weight_cell(ws: tuple, what: int, held: dict) -> "weights.DerivedCell":
+    """The model-wide cell of a weight-derived step (``fxbackend.weights.cell``), held by
+    the plan's ``held`` while the plan lives."""
+    return weights.cell(ws, what, held)
 
 
 def _map_tree(v: Any, f) -> Any:
@@ -513,6 +526,10 @@ class Plan:
         self._ws_by_node: dict = {}
         self._aux_nodes: set = set()
         self._states: list = []
+        # released by a finalizer, not __del__: weakref.finalize runs at the latest at
+        # interpreter exit, before module globals are torn down (no noise at shutdown)
+        self._release = {"stats_key": None, "states": self._states}
+        weakref.finalize(self, _release_plan, self._release)
         #: options.profile: seconds spent in each step (by node index), over profiled_calls
         self.step_seconds: list[float] = []
         self.profiled_calls = 0
@@ -520,7 +537,9 @@ class Plan:
         self._bound = self._bound_results()
         #: native steps computed from weights alone, kept between calls (``_weight_derived``)
         self.cached = self._weight_derived()
-        self._cache_cells: dict = {}
+        #: the model-wide cells (fxbackend.weights) of the cached steps this plan used
+        self._held: dict = {}
+        self._cache_nodes: dict[int, Node] = {}  # derivation id -> its step
         self._bound -= set(self.cached)
         unread = self._unread_outputs() | {k for n in (*self._bound, *self.cached)
                                            for k in self._keys_of(n)}
@@ -558,6 +577,7 @@ class Plan:
                 self.cuda_graph_off = why
         self._stats_key = stats.register_plan_counts({"steps": self.step_counts,
                                                       "copies": self.copies})
+        self._release["stats_key"] = self._stats_key
         stats.bump("plans_built")
         stats.bump("arena_bytes", self.memory.total_arena)
         stats.bump("intermediate_bytes", self.memory.sum_intermediates)
@@ -747,6 +767,38 @@ class Plan:
             cached[n] = sorted(mine, key=lambda w: g.inputs.index(w))
         return cached
 
+    def _derivation(self, n: Node) -> tuple:
+        """A hashable description of how the cached step ``n`` computes its value from its
+        weights (``self.cached[n]``, by position): ops, params, constants (by fingerprint)
+        and result layouts, down to the weights.  Plans of other input shapes that derive the
+        same value from the same weights describe it alike and share one value."""
+        index = {w: i for i, w in enumerate(self.cached[n])}
+
+        def freeze(v: Any) -> Any:
+            if isinstance(v, Node):
+                return describe(v)
+            if isinstance(v, (list, tuple)):
+                return tuple(freeze(x) for x in v)
+            if isinstance(v, dict):
+                return tuple(sorted((k, freeze(x)) for k, x in v.items()))
+            if isinstance(v, torch.Tensor):
+                return ("tensor", v.dtype, tuple(v.shape), v.stride(), weights.fingerprint(v))
+            return v if isinstance(v, (bool, int, str, type(None))) else repr(v)
+
+        def describe(x: Node) -> Any:
+            if x in index:
+                return ("weight", index[x])
+            if x in self.scalars:
+                return ("number", repr(self.scalars[x]))
+            if x.op == "constant":
+                return ("constant", freeze(x.annotations["value"]))
+            m = self.metas.get(x)
+            layout = (m.dtype, tuple(m.shape), tuple(m.stride), m.storage_offset) \
+                if isinstance(m, TensorMeta) else None
+            return (x.op, freeze(x.params), tuple(describe(s) for s in x.srcs), layout)
+
+        return describe(n)
+
     def _writes_strided(self, n: Node) -> bool:
         """``n``'s step writes correctly into an output of any strides: a native op through its
         ``.out`` overload, an extension kernel or fusion rule declaring ``strided_out = True``."""
@@ -810,7 +862,9 @@ class Plan:
     def _build(self) -> None:
         g = self.graph
         self._by_id = {n.id: n for n in g.nodes}
-        ns: dict[str, Any] = {"empty_strided": torch.empty_strided, "_wkey": _weight_key}
+        ns: dict[str, Any] = {"empty_strided": torch.empty_strided, "_wkey": weights.weight_key,
+                              "_wcell": _weight_cell, "_held": self._held}
+        wkeys: dict[Node, str] = {}  # weight -> the name of its key, computed once per call
         consts: dict[int, str] = {}
         counter = itertools.count()
 
@@ -942,17 +996,25 @@ class Plan:
                     bind_result(n, kernel)
                     return
                 if n in self.cached:
-                    # computed again only when a weight it reads changed (_weight_derived)
+                    # the model's value, computed again only when a weight it reads changed
+                    # (_weight_derived; fxbackend.weights: checked by fingerprint every call)
                     a, kw = call_args(n, src_of, value_of)
-                    self._cache_cells[n] = cells = [None, None]  # [weights' keys, value]
-                    cell = const(cells)
-                    key = "(" + "".join(f"_wkey({expr[w].src}), " for w in self.cached[n]) + ")"
-                    lines.append(f"_k = {key}")
-                    lines.append(f"if _k != {cell.src}[0]:")
-                    lines.append(f"    {cell.src}[1] = {const(n.target._op).src}("
-                                 f"{self._args_src(a, kw)})")
-                    lines.append(f"    {cell.src}[0] = _k")
-                    lines.append(f"v{n.id} = {cell.src}[1]")
+                    ws = self.cached[n]
+                    for w in ws:
+                        if w not in wkeys:
+                            wkeys[w] = f"_wk{w.id}"
+                            lines.append(f"_wk{w.id} = _wkey({expr[w].src})")
+                    what = weights.what_id(self._derivation(n))
+                    lines.append(f"_c = _wcell(({''.join(expr[w].src + ', ' for w in ws)}), "
+                                 f"{what}, _held)")
+                    lines.append(f"_k = ({''.join(wkeys[w] + ', ' for w in ws)})")
+                    lines.append("_p = _c._pair")
+                    lines.append("if _p[0] != _k:")
+                    lines.append(f"    _p = (_k, {const(n.target._op).src}("
+                                 f"{self._args_src(a, kw)}))")
+                    lines.append("    _c.set(*_p)")
+                    lines.append(f"v{n.id} = _p[1]")
+                    self._cache_nodes[what] = n
                     expr[n] = _Code(f"v{n.id}")
                     holders.setdefault((n.id, None), []).append(f"v{n.id}")
                     self.step_counts[kernel.name] += 1
@@ -1298,6 +1360,12 @@ class Plan:
         early with :class:`fxbackend.services.Cancelled`."""
         self.cancel_token.cancel()
 
+    def derived_values(self) -> dict:
+        """``{cached step: its value}`` for the weight-derived steps this plan has run (the
+        model-wide values of ``fxbackend.weights``, shared with the model's other plans)."""
+        return {self._cache_nodes[key[1]]: c.value for key, c in self._held.items()
+                if key[1] in self._cache_nodes and c.value is not None}
+
     def report(self) -> str:
         """The node list with the kernel chosen for each step, then what fusion did."""
         lines = [f"plan {self.name}: {self.memory.summary()}, workspace "
@@ -1323,7 +1391,8 @@ class Plan:
         if self.cached:
             nbytes = sum(self.metas[n].span_bytes for n in self.cached)
             lines.append(f"steps computed from weights alone, kept between calls: "
-                         f"{len(self.cached)} ({nbytes / 2**20:.2f} MB): " +
+                         f"{len(self.cached)} ({nbytes / 2**20:.2f} MB, held once per model, "
+                         f"checked by the weights' fingerprints every call): " +
                          ", ".join(f"%{n.id}" for n in self.cached))
         if self.identity_cats or self.identity_clones:
             lines.append(f"copies elided (readers read the source): {self.identity_cats} "
@@ -1400,18 +1469,6 @@ class Plan:
             elif n in self.scalars and a != self.scalars[n]:
                 raise ValueError(f"{what}: this plan was built for {self.scalars[n]}, got {a}")
         return self.run(list(args))
-
-    def __del__(self) -> None:
-        key = getattr(self, "_stats_key", None)
-        if key is not None and stats is not None:  # module globals are None at interpreter exit
-            stats.release_plan(key)
-        for kernel, state in getattr(self, "_states", ()):
-            destroy = getattr(kernel, "destroy", None)
-            if destroy is not None:
-                try:
-                    destroy(state)
-                except Exception:  # never raise from a finaliser
-                    pass
 
 
 class CompiledGraph:

@@ -79,13 +79,12 @@ range.  Operands by kind:
   channel, and ``w_scale`` float ``N`` elements (:func:`quantize_weight_i8_reference` makes both
   ahead of time);
 - ``w_kind="float"``: w the float weight ``[N, K]`` as the model has it (a graph input).  The
-  reference re-quantizes it on every call; the kernels quantize it ONCE per plan into their
-  state and again only when the weight changes: they compare ``w.data_ptr()`` and
-  ``w._version`` with those they quantized from (an in-place ``copy_``, e.g. a LoRA fuse or an
-  ``update_weights``, bumps the version; a new tensor has another address).  A different
-  tensor that reuses the freed address of the old one with the same version count is not
-  detected; inference-mode tensors have no version counter, so they are re-quantized on every
-  call.
+  reference re-quantizes it on every call; the kernels quantize it ONCE per model (every plan
+  and step quantizing the same weight alike shares the value: ``WeightState``) and again only
+  when the weight changes: they compare ``fxbackend.weights.weight_key(w)`` (address, layout
+  and a fingerprint of the weight's bytes, computed every call) with the key of the value
+  held, so in-place updates, ``.data`` writes (which keep the version counter), new storage
+  and inference-mode tensors are all seen.
 
 For ``x_kind`` float/int8, ``m`` is -1 or x's row count and ``lead`` is ``()`` or x's leading
 dims.  ``group`` must divide K for every kind (for int8/packed operands it names the rotation
@@ -118,6 +117,7 @@ import torch
 
 import fxbackend
 from fxbackend import TensorMeta
+from fxbackend.weights import cell as derived_cell, weight_key
 
 __all__ = ["REGULAR_HADAMARD_GROUPS", "MAX_K", "QMAX", "X_KINDS", "W_KINDS", "hadamard",
            "hadamard_stages", "rotate_reference", "quantize_rows_reference", "packed_nbytes",
@@ -339,46 +339,43 @@ def linear_i8_reference(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor 
 
 
 class WeightState:
-    """A float weight quantized by a kernel for ``sd.linear_i8.v1 {w_kind="float"}``, kept per
-    plan step and re-derived only when the weight changes (module docstring).
+    """A float weight quantized by a kernel for ``sd.linear_i8.v1 {w_kind="float"}``: the
+    model's value (``fxbackend.weights``: one per weight, group and quantizer, shared by every
+    plan and step that quantizes that weight alike), re-derived only when the weight changes.
 
     ``get(w, group, quantize)`` returns ``(w_i8 [N, K] int8, w_scale [N] float32)``, calling
     ``quantize(w, group, w_i8, w_scale)`` (the kernel's own row quantizer, writing into the two
-    tensors) when ``(w.data_ptr(), w._version)`` differs from the last quantization, or always
-    for an inference-mode tensor (no version counter).  ``quantized`` counts the
-    quantizations.  Thread-safe."""
+    tensors) when ``fxbackend.weights.weight_key(w)`` (address, layout and a fingerprint of the
+    bytes, so ``.data`` writes are seen too) differs from the key of the value held.
+    ``quantized`` counts the quantizations this state ran.  Thread-safe."""
 
-    __slots__ = ("n", "k", "device", "w_i8", "w_scale", "key", "quantized", "_lock")
+    __slots__ = ("n", "k", "device", "quantized", "_held")
+
+    #: serialises quantizations (rare: first use and weight changes), not the checks
+    _lock = threading.Lock()
 
     def __init__(self, n: int, k: int, device: torch.device) -> None:
         self.n, self.k, self.device = n, k, device
-        self.w_i8: torch.Tensor | None = None
-        self.w_scale: torch.Tensor | None = None
-        self.key: tuple | None = None
         self.quantized = 0
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def key_of(w: torch.Tensor) -> tuple:
-        """``(data_ptr, version)``; version None for a tensor without a version counter."""
-        try:
-            version = w._version
-        except RuntimeError:  # inference-mode tensors do not track versions
-            version = None
-        return w.data_ptr(), version
+        self._held: dict = {}  # keeps the shared cells this state used alive
 
     def get(self, w: torch.Tensor, group: int, quantize) -> tuple[torch.Tensor, torch.Tensor]:
-        key = self.key_of(w)
-        with self._lock:
-            if key[1] is None or key != self.key:
-                if self.w_i8 is None:
-                    self.w_i8 = torch.empty(self.n, self.k, dtype=torch.int8, device=self.device)
-                    self.w_scale = torch.empty(self.n, dtype=torch.float32, device=self.device)
-                quantize(w if w.is_contiguous() else w.contiguous(), group, self.w_i8,
-                         self.w_scale)
-                self.key = key
-                self.quantized += 1
-            return self.w_i8, self.w_scale
+        key = weight_key(w)
+        what = ("sd.linear_i8.v1 weight", group, self.n, self.k, str(self.device),
+                getattr(quantize, "__module__", ""), getattr(quantize, "__qualname__", ""))
+        c = derived_cell((w,), what, self._held)
+        pair = c._pair
+        if pair[0] != key:
+            with self._lock:
+                pair = c._pair
+                if pair[0] != key:
+                    w_i8 = torch.empty(self.n, self.k, dtype=torch.int8, device=self.device)
+                    w_scale = torch.empty(self.n, dtype=torch.float32, device=self.device)
+                    quantize(w if w.is_contiguous() else w.contiguous(), group, w_i8, w_scale)
+                    pair = (key, (w_i8, w_scale))
+                    c.set(*pair)
+                    self.quantized += 1
+        return pair[1]
 
 
 # -- checks (graph-build time; shared by the ops, the references and the fake kernels) -------

@@ -578,3 +578,23 @@ def test_op_without_a_meta_kernel_is_replanned_with_fake_tensors(no_grad):
         assert_same(compiled(x, n), fn(x, n))
     s = fxbackend.stats()
     assert s["graphs_compiled"] == 1 and s["plans_built"] == 3
+
+
+def test_no_output_at_interpreter_exit():
+    """A process that compiled models exits without 'Exception ignored in: Plan.__del__'
+    noise: plans release their resources through weakref.finalize, which runs before module
+    globals are torn down."""
+    import subprocess
+    import sys
+    code = (
+        "import torch, fxbackend\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()).bfloat16()\n"
+        "c = torch.compile(m, backend='fxbackend')\n"
+        "with torch.no_grad():\n"
+        "    c(torch.randn(4, 8, dtype=torch.bfloat16))\n"
+        "keep = c\n"  # a plan alive until the interpreter exits
+        "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+    assert "Exception ignored" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

@@ -422,16 +422,23 @@ def test_float_weight_is_quantized_once_and_again_after_an_in_place_change(monke
     assert count.calls == 3
 
 
-def test_inference_tensor_weights_are_quantized_every_call(monkeypatch):
+def test_inference_tensor_weights_are_quantized_once_and_again_when_changed(monkeypatch):
+    """An inference-mode weight has no version counter; the fingerprint of its bytes
+    (``fxbackend.weights``) still tells an unchanged weight from a changed one."""
     count = _CountQuantizations(monkeypatch)
     gen = torch.Generator().manual_seed(9)
     srcs, attrs = _linear_case("float", "float", False, 3, 16, 4, 4, gen)
     with torch.inference_mode():
-        w = srcs[1].clone()  # no version counter: changes cannot be seen, so always re-derived
+        w = srcs[1].clone()
     g, _ = _graph(LINEAR, [srcs[0], w], attrs)
     cg = compiled(g)
     for _ in range(2):
         (out,) = cg.run([srcs[0], w])
+    assert count.calls == 1
+    assert torch.equal(out, _reference([srcs[0], w], attrs))
+    with torch.inference_mode():
+        w.mul_(-0.5)
+    (out,) = cg.run([srcs[0], w])
     assert count.calls == 2
     assert torch.equal(out, _reference([srcs[0], w], attrs))
 

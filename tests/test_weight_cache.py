@@ -31,7 +31,7 @@ def _compile(model, x, options=None):
 
 
 def _values(plan):
-    return {n: cell[1] for n, cell in plan._cache_cells.items()}
+    return plan.derived_values()
 
 
 @pytest.mark.usefixtures("no_grad")
@@ -94,3 +94,146 @@ def test_user_inputs_and_cuda_graph_plans_are_not_cached():
     # under cuda_graphs a replay could neither skip nor redo the step: nothing is cached
     _, plan, _ = _compile(_CastWeight(), x, {"cuda_graphs": True})
     assert not plan.cached
+
+
+# -- every way users change weights, on whole models -----------------------------------------
+# A model compiled and run once, then its weights changed by one path; the next compiled call
+# must be what a freshly compiled plan gives (bit for bit) and eager's within the dtype's
+# tolerance.  On the code before fxbackend.weights, ``.data`` writes left the bf16 UNet's
+# channels-last weight copies and the W8A8 plans' quantized weights stale.
+
+def _perturb(p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A new value for ``p``: different in every element, of the same scale."""
+    return (p.float() * 0.5 + 0.5 * p.float().std().nan_to_num() *
+            torch.randn(p.shape, generator=gen)).to(p.dtype)
+
+
+def _modules_with_weight(model):
+    return [m for m in model.modules()
+            if isinstance(getattr(m, "weight", None), torch.nn.Parameter)]
+
+
+def _change_inplace(model, gen):  # in place under no_grad: bumps the version counter
+    for p in model.parameters():
+        p.copy_(_perturb(p, gen))
+
+
+def _change_data(model, gen):  # through .data: the version counter does not move
+    for p in model.parameters():
+        p.data.copy_(_perturb(p, gen))
+
+
+def _change_ema(model, gen):  # ema_p.data.mul_(d).add_(p.data, alpha=1 - d)
+    for p in model.parameters():
+        other = _perturb(p, gen)
+        p.data.mul_(0.5).add_(other, alpha=0.5)
+
+
+def _change_new_storage(model, gen):  # p.data = new tensor
+    for p in model.parameters():
+        p.data = _perturb(p, gen)
+
+
+def _change_load_state_dict(model, gen):
+    model.load_state_dict({k: _perturb(v, gen) for k, v in model.state_dict().items()})
+
+
+def _change_load_state_dict_assign(model, gen):  # new Parameter objects
+    model.load_state_dict({k: _perturb(v, gen) for k, v in model.state_dict().items()},
+                          assign=True)
+
+
+def _change_reassign(model, gen):  # module.weight = nn.Parameter(...)
+    for m in _modules_with_weight(model):
+        m.weight = torch.nn.Parameter(_perturb(m.weight, gen), requires_grad=False)
+
+
+CHANGES = {
+    "in_place": _change_inplace, "data": _change_data, "ema": _change_ema,
+    "new_storage": _change_new_storage, "load_state_dict": _change_load_state_dict,
+    "load_state_dict_assign": _change_load_state_dict_assign, "reassign": _change_reassign,
+}
+
+#: (family, dtype, options, tolerance against eager: max |diff| / max |eager|)
+MODELS = {
+    "unet_bf16": ("unet", torch.bfloat16, {}, 3e-2),
+    "flux_f32": ("flux", torch.float32, {}, 1e-4),
+    "flux_w8a8": ("flux", torch.float32, {"quantize": "w8a8"}, 5e-2),
+}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def _fresh(model, inputs, options):
+    torch._dynamo.reset()
+    return torch.compile(model, backend="fxbackend", options=options)(**inputs)[0]
+
+
+@pytest.mark.usefixtures("no_grad")
+@pytest.mark.parametrize("change", sorted(CHANGES))
+@pytest.mark.parametrize("which", sorted(MODELS))
+def test_every_weight_change_path_is_seen(which, change):
+    from fxbackend import models
+    family, dtype, options, tol = MODELS[which]
+    model = models.build_model(family, "tiny", dtype=dtype)
+    inputs = models.make_inputs(family, "tiny", dtype=dtype)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fxbackend", options=options)
+    before = compiled(**inputs)[0]
+    assert _rel(before, model(**inputs)[0]) <= tol
+    CHANGES[change](model, torch.Generator().manual_seed(1))
+    after = compiled(**inputs)[0]
+    eager = model(**inputs)[0]
+    assert _rel(eager, before) > 10 * tol, "the change must move the output"
+    assert _rel(after, eager) <= tol, f"{which} after {change}: stale"
+    assert torch.equal(after, _fresh(model, inputs, options)), \
+        f"{which} after {change}: not what a fresh plan computes"
+
+
+@pytest.mark.usefixtures("no_grad")
+@pytest.mark.parametrize("which", sorted(MODELS))
+def test_lora_adapters_set_fused_unfused_and_unloaded(which):
+    """peft LoRA adapters through diffusers' adapter API: two adapters, switched with
+    ``set_adapters``, fused into the base weights (``safe_fusing=False``: peft adds the delta
+    to ``base_layer.weight.data``, which the version counter does not see), unfused (the same
+    graph: no recompilation) and unloaded; every compiled call within the tolerance of eager."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig
+    from fxbackend import models
+    family, dtype, options, tol = MODELS[which]
+    model = models.build_model(family, "tiny", dtype=dtype)
+    inputs = models.make_inputs(family, "tiny", dtype=dtype)
+    targets = ["to_q", "to_k", "to_v"] + (["conv1", "conv2"] if family == "unet" else [])
+    model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=targets), adapter_name="a")
+    model.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=targets), adapter_name="b")
+    gen = torch.Generator().manual_seed(3)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero: a LoRA that changes nothing
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen).to(p.dtype))
+    model.set_adapters(["a"])
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fxbackend", options=options)
+    base = model(**inputs)[0]
+
+    def check(step: str) -> torch.Tensor:
+        eager = model(**inputs)[0]
+        assert _rel(compiled(**inputs)[0], eager) <= tol, f"{which}: {step}"
+        return eager
+
+    check("adapter a")
+    model.set_adapters(["a", "b"], [1.0, 0.5])
+    mixed = check("set_adapters a + 0.5 b")
+    assert _rel(mixed, base) > 2 * tol, "the adapters must move the output"
+    model.fuse_lora(lora_scale=1.0, safe_fusing=False)
+    check("fused")
+    model.unfuse_lora()
+    # the unfused graph is the one compiled before the fuse; its weights are back only up to
+    # the roundings of adding and subtracting the delta: a value derived before would be stale
+    unfused = compiled(**inputs)[0]
+    check("unfused")
+    assert torch.equal(unfused, _fresh(model, inputs, options)), f"{which}: unfused is stale"
+    model.unload_lora()
+    check("unloaded")

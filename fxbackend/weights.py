@@ -1,0 +1,245 @@
+"""Values derived from weights (a weight's channels-last copy, a cast, a quantized weight): held
+once per model and never served stale.
+
+Contract.
+- A derived value is kept in a :class:`DerivedCell`, found by :func:`cell` from the weight
+  tensor objects it is computed from and a hashable description of the computation (``what``).
+  Every plan of every compiled graph that derives the same thing from the same weights gets the
+  same cell: a model compiled at K resolutions holds one copy, not K.  A cell goes when one of
+  its weights is garbage collected (a weakref callback), never before.
+- Before a cell's value is used, the caller compares :func:`weight_key` of each weight with the
+  keys the value was computed from (``cell.key``) and recomputes on a difference.  The key is
+  the weight's address, dtype, shape, strides and a **fingerprint of its bytes**
+  (:func:`fingerprint`), computed on every call.  So every way of changing a weight is seen:
+  in-place updates with or without the version counter (``p.data.mul_(..)``, an EMA update,
+  peft's merge of a LoRA into ``base_layer.weight.data``), new storage (``p.data = ..``,
+  ``load_state_dict(assign=True)``), copies into it (``load_state_dict``), inference-mode
+  tensors (which have no version counter).  The version counter alone misses ``.data`` writes.
+- The fingerprint is a position-weighted sum of the tensor's 32-bit words
+  (``h1 = sum w[i] * (2i + 1)``, ``h2 = sum (w[i] ^ w[i] >> 16) * (i * 0x9E3779B9 | 1)``, both
+  mod 2**32): a change of any single word always changes ``h1`` (the multipliers are odd);
+  two words swapped, or several changed, go unseen only if both sums happen to agree.  Its
+  cost is one read of the weight per call (see docs/BENCHMARKS.md: "weight check").  A device
+  may register a faster implementation of the same function (:func:`register_fingerprint`;
+  ``cpu_kernels/fingerprint.py`` registers a parallel numba one for the CPU); the torch one
+  here serves every other device.
+
+Thread safety: cells are created under a lock; a cell's ``key``/``value`` pair is replaced
+as one tuple (:meth:`DerivedCell.set`), so a reader never sees a value with another's key.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Callable, Hashable
+
+import torch
+
+__all__ = ["fingerprint", "register_fingerprint", "weight_key", "DerivedCell", "cell",
+           "what_id", "live_cells", "held_bytes", "torch_fingerprint"]
+
+_M1 = 0x9E3779B9
+_MASK32 = 0xFFFFFFFF
+
+#: device type -> fingerprint function (``tensor -> int``); the torch one serves the others
+_FINGERPRINTS: dict[str, Callable[[torch.Tensor], int]] = {}
+
+
+def register_fingerprint(device_type: str, fn: Callable[[torch.Tensor], int]) -> None:
+    """Use ``fn(tensor) -> int`` as :func:`fingerprint` for tensors on ``device_type``.  ``fn``
+    must return :func:`torch_fingerprint`'s value for every tensor (tests compare them)."""
+    if not callable(fn):
+        raise TypeError(f"register_fingerprint: fn must be callable, got {type(fn).__name__}")
+    _FINGERPRINTS[str(device_type)] = fn
+
+
+def _words_and_tail(t: torch.Tensor) -> tuple[torch.Tensor, bytes]:
+    """The bytes ``t`` spans from its offset (its whole span, gaps included), as int32 words
+    and the 0-3 bytes left over."""
+    if t.is_contiguous():
+        flat = t.reshape(-1)
+    else:
+        span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0) \
+            if t.numel() else 0
+        flat = torch.as_strided(t, (span,), (1,))
+    b = flat.view(torch.uint8)
+    n4 = b.numel() // 4 * 4
+    tail = bytes(b[n4:].cpu().tolist()) if n4 != b.numel() else b""
+    return b[:n4].view(torch.int32), tail
+
+
+def _tail_mix(h1: int, h2: int, n_words: int, tail: bytes) -> tuple[int, int]:
+    """The 0-3 trailing bytes as one more word (little-endian, zero-padded) at position
+    ``n_words``."""
+    if tail:
+        x = int.from_bytes(tail, "little")
+        h1 = (h1 + x * (2 * n_words + 1)) & _MASK32
+        h2 = (h2 + (x ^ (x >> 16)) * (((n_words * _M1) | 1) & _MASK32)) & _MASK32
+    return h1, h2
+
+
+def torch_fingerprint(t: torch.Tensor, chunk: int = 1 << 20) -> int:
+    """:func:`fingerprint` with torch operations on ``t``'s device (in chunks of ``chunk``
+    words, so the temporaries stay small).  ``(h1 << 32) | h2`` (module docstring)."""
+    words, tail = _words_and_tail(t)
+    n = words.numel()
+    h1 = h2 = 0
+    for lo in range(0, n, chunk):
+        w = words[lo:lo + chunk].to(torch.int64) & _MASK32
+        i = torch.arange(lo, lo + w.numel(), device=w.device, dtype=torch.int64)
+        h1 += int(((w * (2 * i + 1)) & _MASK32).sum())
+        h2 += int((((w ^ (w >> 16)) * (((i * _M1) | 1) & _MASK32)) & _MASK32).sum())
+    h1, h2 = _tail_mix(h1 & _MASK32, h2 & _MASK32, n, tail)
+    return (h1 << 32) | h2
+
+
+def fingerprint(t: torch.Tensor) -> int:
+    """A 64-bit fingerprint of the bytes of ``t`` (module docstring), by the function
+    registered for its device or :func:`torch_fingerprint`."""
+    return _FINGERPRINTS.get(t.device.type, torch_fingerprint)(t)
+
+
+def weight_key(t: torch.Tensor) -> tuple:
+    """What a value derived from ``t`` was computed from: address, dtype, shape, strides and
+    :func:`fingerprint`.  Equal keys mean equal bytes (up to the fingerprint's collisions)."""
+    return t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), fingerprint(t)
+
+
+class DerivedCell:
+    """One derived value and the weight keys it was computed from (``None`` before the
+    first computation).  ``get(keys, compute)`` returns the value, calling ``compute()`` when
+    ``keys`` differ from those of the value held; ``computed`` counts the computations."""
+
+    __slots__ = ("_pair", "computed", "__weakref__")
+
+    def __init__(self) -> None:
+        self._pair: tuple = (None, None)
+        self.computed = 0
+
+    @property
+    def key(self) -> Any:
+        return self._pair[0]
+
+    @property
+    def value(self) -> Any:
+        return self._pair[1]
+
+    def set(self, key: Any, value: Any) -> None:
+        self._pair = (key, value)
+        self.computed += 1
+
+    def get(self, key: Any, compute: Callable[[], Any]) -> Any:
+        k, v = self._pair
+        if k != key or k is None:
+            v = compute()
+            self.set(key, v)
+        return v
+
+
+# (ids of the weight objects, what) -> weakref to the cell: the plans using a cell hold it
+# (``holder``), so a cell no plan uses goes; a weight's weakref callback drops its cells
+_cells: dict[tuple, weakref.ref] = {}
+# id(weight) -> (weakref, set of _cells keys naming it)
+_by_weight: dict[int, tuple[weakref.ref, set]] = {}
+_lock = threading.RLock()  # re-entrant: a cell dropped under it calls _drop
+
+
+def _forget(wid: int, ref: weakref.ref) -> None:
+    with _lock:
+        got = _by_weight.get(wid)
+        if got is not None and got[0] is ref:  # not a newer object's entry under that id
+            del _by_weight[wid]
+            for k in got[1]:
+                c = _cells.pop(k, None)
+                c = c() if c is not None else None
+                if c is not None:  # a plan may still hold it: free the value now
+                    c._pair = (None, None)
+
+
+def _lookup(key: tuple) -> DerivedCell | None:
+    r = _cells.get(key)
+    return r() if r is not None else None
+
+
+def cell(weights: tuple, what: Hashable, holder: dict | None = None) -> DerivedCell:
+    """The shared cell of the value ``what`` derived from the tensor objects ``weights`` (in
+    order).  ``what`` must describe the whole computation from those tensors (op, arguments,
+    result layout): two different computations with the same ``what`` would share a value.
+    The cell lives while some ``holder`` (a dict the caller keeps, e.g. a plan's) holds it and
+    none of its weights has gone; it is put in ``holder`` under the same key.  A tensor that
+    cannot be weakly referenced gets a cell of its own (not shared)."""
+    key = (tuple(id(w) for w in weights), what)
+    got = _lookup(key)
+    if got is None:
+        with _lock:
+            got = _lookup(key)
+            if got is None:
+                got = _new_cell(key, weights)
+    if holder is not None:
+        holder[key] = got
+    return got
+
+
+def _new_cell(key: tuple, weights: tuple) -> DerivedCell:
+    entries = []
+    for w in weights:
+        entry = _by_weight.get(id(w))
+        if entry is None or entry[0]() is not w:
+            try:
+                ref = weakref.ref(w, lambda r, wid=id(w): _forget(wid, r))
+            except TypeError:
+                return DerivedCell()
+            entry = (ref, set())
+            _by_weight[id(w)] = entry
+        entries.append(entry)
+    c = DerivedCell()
+    _cells[key] = weakref.ref(c, lambda _, key=key: _drop(key))
+    for entry in entries:
+        entry[1].add(key)
+    return c
+
+
+def _drop(key: tuple) -> None:
+    with _lock:
+        r = _cells.get(key)
+        if r is not None and r() is None:
+            del _cells[key]
+            for wid in key[0]:
+                entry = _by_weight.get(wid)
+                if entry is not None:
+                    entry[1].discard(key)
+
+
+_whats: dict[Hashable, int] = {}
+
+
+def what_id(what: Hashable) -> int:
+    """A small int standing for the description ``what`` (equal descriptions, equal ints), so
+    that the per-call lookup hashes an int, not a nested tuple."""
+    got = _whats.get(what)
+    if got is None:
+        with _lock:
+            got = _whats.setdefault(what, len(_whats))
+    return got
+
+
+def live_cells() -> list[DerivedCell]:
+    """Every cell alive now (for tests and the memory report)."""
+    with _lock:
+        return [c for c in (r() for r in _cells.values()) if c is not None]
+
+
+def held_bytes() -> int:
+    """Bytes of the tensors the live cells hold (each storage counted once)."""
+    seen: dict[int, int] = {}
+
+    def add(v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            s = v.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+        elif isinstance(v, (tuple, list)):
+            for x in v:
+                add(x)
+    for c in live_cells():
+        add(c.value)
+    return sum(seen.values())
