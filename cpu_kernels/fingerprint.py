@@ -39,10 +39,13 @@ def _partials(words, chunk):  # pragma: no cover - compiled by numba
         h1 = np.uint32(0)
         h2 = np.uint32(0)
         for i in range(lo, hi):
+            # numba widens uint32 arithmetic to 64 bits; truncating every result lets LLVM
+            # keep 32-bit lanes (vpmulld: twice the words per vector as 64-bit multiplies)
             x = words[i]
             u = np.uint32(i)
-            h1 += x * (u + u + np.uint32(1))
-            h2 += (x ^ (x >> np.uint32(16))) * ((u * np.uint32(0x9E3779B9)) | np.uint32(1))
+            h1 = np.uint32(h1 + np.uint32(x * np.uint32(u + u + np.uint32(1))))
+            m2 = np.uint32(np.uint32(u * np.uint32(0x9E3779B9)) | np.uint32(1))
+            h2 = np.uint32(h2 + np.uint32(np.uint32(x ^ (x >> np.uint32(16))) * m2))
         h1s[c] = h1
         h2s[c] = h2
     return h1s.sum() & np.uint64(0xFFFFFFFF), h2s.sum() & np.uint64(0xFFFFFFFF)

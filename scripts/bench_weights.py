@@ -109,7 +109,11 @@ def _rss() -> int:
 def memory_child(args) -> None:
     import gc
     import fxbackend
-    from fxbackend import models, weights
+    from fxbackend import models
+    try:
+        from fxbackend import weights
+    except ImportError:  # a version before fxbackend.weights: nothing to count
+        weights = None
     dtype = getattr(torch, args.dtype)
     model = models.build_model(args.family, args.size, dtype=dtype)
     res = [tuple(int(x) for x in r.split("x")) for r in args.resolutions.split(",")]
@@ -125,7 +129,7 @@ def memory_child(args) -> None:
             f(**kw)
         gc.collect()
         grown = _rss() - base
-    held = weights.held_bytes() if args.backend == "fxbackend" else None
+    held = weights.held_bytes() if args.backend == "fxbackend" and weights else None
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     print(json.dumps({"backend": args.backend, "resolutions": args.resolutions,
                       "rss_growth_mb": round(grown / 2**20, 1),
