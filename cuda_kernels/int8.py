@@ -28,7 +28,7 @@ viewed as int32; then ``_epilogue_kernel`` in place, tiles of BLOCK_M x BLOCK_N:
 
 left to right, each operation rounded (launches pass ``enable_fp_fusion=False``: no FMA).  A
 float weight (``w_kind="float"``) is quantized by ``_quantize_kernel`` into the step's state
-(``patterns/int8.WeightState``: again only when its address or version changes).
+(``patterns/int8.WeightState``: once per model, again only when its weight key changes).
 
 ``supports`` declines what ``torch._int_mm`` on CUDA cannot run (``M <= 16``, K or N not a
 multiple of 8, dimensions over MAX_DIM = 2^31 - 1, the 32-bit ints of cuBLAS's m/n/k and
