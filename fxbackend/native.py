@@ -16,8 +16,11 @@ __all__ = ["out_overload", "out_is_copy", "call_args"]
 #: with a reduction, these resize ``out`` to the elementwise loss and use it as scratch space,
 #: writing past a planned buffer into its neighbours (and ``binary_cross_entropy``'s ``out``
 #: then holds the first element's loss, not the reduced one).  They are called functionally.
+#: ``linalg_qr``'s kernel, given Q and R in one storage (as in the arena), fails an internal
+#: assert or writes a wrong R.
 _OUT_NOT_FUNCTIONAL = frozenset({
-    "aten::binary_cross_entropy", "aten::huber_loss", "aten::soft_margin_loss"})
+    "aten::binary_cross_entropy", "aten::huber_loss", "aten::soft_margin_loss",
+    "aten::linalg_qr"})
 
 
 @functools.lru_cache(maxsize=None)
