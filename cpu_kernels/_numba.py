@@ -124,7 +124,8 @@ def wide_vector_features() -> str | None:
     """The CPU features numba compiles for: on a CPU with AVX-512, the host's features with
     LLVM's preference for 256-bit vectors turned off (``-prefer-256-bit``), so loops vectorise
     over 512-bit registers; None (numba's default, the host's) elsewhere or when the host's
-    features cannot be read.
+    features cannot be read; ``""`` (the named CPU's own features only) when ``NUMBA_CPU_NAME``
+    is set, so that ``NUMBA_CPU_NAME=haswell`` compiles AVX2 kernels on any host.
 
     LLVM prefers 256-bit vectors on AVX-512 CPUs because early ones lowered their clock for
     512-bit instructions.  On the development CPU (AVX-512 with AMX, one thread) the 512-bit
@@ -134,6 +135,10 @@ def wide_vector_features() -> str | None:
     :func:`import_numba` when nobody set numba's ``CPU_FEATURES`` (``NUMBA_CPU_FEATURES``): it
     takes effect if numba had not compiled anything in the process before, and numba's disk
     cache keys kernels on the features."""
+    if os.environ.get("NUMBA_CPU_NAME"):
+        # numba adds the host's features to a named CPU's unless told otherwise: with
+        # NUMBA_CPU_NAME=haswell on an AVX-512 host its kernels would still use AVX-512
+        return ""
     try:
         import llvmlite.binding as llvm
         features = llvm.get_host_cpu_features().flatten()

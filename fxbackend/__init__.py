@@ -8,6 +8,7 @@ without Dynamo or the model's code (docs/FORMAT.md).  See ARCHITECTURE.md.
 from __future__ import annotations
 
 from . import services
+from .cpu import CpuProfile, cpu_profile
 from .dynamo import compile_fx_graph, explain, fxbackend_backend
 from .executor import CompiledGraph, ExecContext, Plan
 from .extensions import load_extensions
@@ -31,7 +32,8 @@ __all__ = ["fxbackend_backend", "compile_fx_graph", "explain", "CompiledGraph", 
            "check_claim",
            "register_rewrite", "unregister_rewrite", "rewrites", "replace_uses", "load_extensions",
            "services", "stats", "reset_stats", "backend", "warm_up", "export", "save",
-           "load", "from_compiled", "record_graphs", "ExportedPlan", "ReplayError"]
+           "load", "from_compiled", "record_graphs", "ExportedPlan", "ReplayError",
+           "cpu_profile", "CpuProfile"]
 
 #: the Dynamo backend callable (also registered by name through the entry point)
 backend = fxbackend_backend

@@ -32,6 +32,7 @@ from .concat import ConcatPlan, elide_identity_cats, elide_identity_clones, plan
 from .fold import fold_constants
 from .memory import MemoryPlan, buffers_of, plan_memory
 from .fusion import FusionReport, apply_fusions
+from .cpu import cpu_report_lines
 from .rewrite import RewriteContext, apply_rewrites
 from .native import call_args, out_is_copy, out_overload
 from .options import Options
@@ -488,6 +489,8 @@ class Plan:
                 self.metas[n] = n.meta
             for rule_name, count in self.rewrites.items():
                 stats.bump("rewrite:" + rule_name, count)
+        #: the CPU profile and the decisions taken from it (a plan with CPU tensors)
+        self.cpu_report = cpu_report_lines(self.graph)
         #: steps that read no input, computed here once (``fold.fold_constants``)
         self.folded = fold_constants(self.graph)
         if self.folded:
@@ -1370,6 +1373,7 @@ class Plan:
         """The node list with the kernel chosen for each step, then what fusion did."""
         lines = [f"plan {self.name}: {self.memory.summary()}, workspace "
                  f"{self.workspace_bytes / 2**20:.2f} MB ({self.workspace_bytes} bytes)"]
+        lines += self.cpu_report
         from .ir import format_node
         for n in self.graph.nodes:
             k = self.kernels.get(n)

@@ -11,3 +11,4 @@ from . import identity  # noqa: F401,E402  (multiplications/divisions by 1 dropp
 from . import conv_layout  # noqa: F401,E402  (patch-embedding convolutions in channels-last)
 from . import channels_last  # noqa: F401,E402  (16-bit convolutional networks channels-last)
 from . import upsample  # noqa: F401,E402  (nearest upsampling by index -> upsample_nearest2d)
+from . import upcast  # noqa: F401,E402  (16-bit GEMMs in float32 where the CPU profile says)

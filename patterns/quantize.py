@@ -30,7 +30,10 @@ x and W (the kernels read them as they are) and its float32 result is cast to th
 the cast into the linear's epilogue (``int8_linear_cast``).  The group of a layer is the largest ConvRot group up to
 ``convrot_group`` that divides its K (:func:`group_for`: Flux's K = 3072 takes 256, a K of 384
 takes 64), so every eligible layer is rotated as much as its width allows.  Every other linear stays in float
-and the plan's report says why (``rewrite quantize_w8a8 declined on %n: ...``).
+and the plan's report says why (``rewrite quantize_w8a8 declined on %n: ...``).  On a CPU
+whose profile finds no int8 GEMM faster than float32 (:func:`fxbackend.cpu_profile`, decision
+``int8_gemm``: no VNNI or AMX-INT8, e.g. AVX2-only) every CPU layer stays in float32, with that
+reason: quantization there would make the model slower than float32.
 """
 from __future__ import annotations
 
@@ -132,6 +135,7 @@ class QuantizeW8A8:
             return 0
         group = ctx.options.convrot_group
         done = 0
+        int8 = None  # the CPU profile's int8 GEMM decision, read for the first CPU layer
         quantized: dict = {}  # x -> its quantize node (placed before x's first eligible linear)
         for n in list(graph.nodes):
             parts = linear_parts(n)
@@ -139,6 +143,11 @@ class QuantizeW8A8:
                 continue
             x, w, bias = parts
             why = why_not_quantize(n, x, w, bias)
+            if why is None and x.meta.device.type == "cpu":
+                if int8 is None:
+                    int8 = fxbackend.cpu_profile().decide("int8_gemm")
+                if int8.choice == "float32":
+                    why = f"int8 GEMM on this CPU: {int8.reason}"
             if why is not None:
                 ctx.decline(n, why)
                 continue

@@ -634,6 +634,9 @@ def selected_models(args):
 
 def main(args):
     """Run the benchmark described by ``args``; returns the JSON payload."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from benchstats import cpu_header
+    print(cpu_header())
     t_start = time.perf_counter()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.threads:

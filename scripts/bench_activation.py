@@ -31,6 +31,8 @@ below).  Raw results go to ``bench_results/activation.json``.
 from __future__ import annotations
 
 import argparse
+import sys
+import os
 import json
 import pathlib
 import statistics
@@ -165,6 +167,9 @@ def _goal(v: dict) -> str:
 
 
 def main():
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from benchstats import cpu_header
+    print(cpu_header())
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=7)

@@ -43,6 +43,7 @@ Raw numbers go to ``--json`` (default ``bench_results/bench_gated_residual.json`
 from __future__ import annotations
 
 import argparse
+import sys
 import datetime
 import json
 import os
@@ -201,6 +202,9 @@ def bench_chain(name, args):
 
 
 def main(argv=None):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from benchstats import cpu_header
+    print(cpu_header())
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -125,6 +125,9 @@ def bench_config(name, args, dtype) -> dict:
 
 
 def main(argv=None) -> int:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from benchstats import cpu_header
+    print(cpu_header())
     args = parse_args(argv)
     dtype = getattr(torch, args.dtype)
     if args.threads:

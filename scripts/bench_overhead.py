@@ -212,6 +212,9 @@ def loadavg():
 
 def main(args):
     """Build, compile, time and report; returns the JSON payload."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from benchstats import cpu_header
+    print(cpu_header())
     device = torch.device(args.device)
     lines, op_counts = generate_program(args.ops, args.seed)
     x = torch.randn(args.numel, generator=torch.Generator().manual_seed(args.seed)).to(device)

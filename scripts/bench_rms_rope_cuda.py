@@ -126,6 +126,9 @@ def measure_bandwidth(config: str = "flux_bshd", dtype: torch.dtype = torch.bflo
 
 
 def main(argv=None) -> int:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from benchstats import cpu_header
+    print(cpu_header())
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help=f"comma-separated (default: all of {', '.join(CONFIGS)})")

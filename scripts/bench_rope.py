@@ -348,6 +348,9 @@ def compile_times() -> dict:
 
 
 def main(argv=None):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from benchstats import cpu_header
+    print(cpu_header())
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -147,6 +147,9 @@ def bench_config(name, out_dtype, args) -> dict:
 
 
 def main(argv=None) -> int:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from benchstats import cpu_header
+    print(cpu_header())
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -179,6 +179,9 @@ def bench_cuda_graphs(args, device):
 
 
 def main(argv=None):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from benchstats import cpu_header
+    print(cpu_header())
     args = parse_args(argv)
     device = torch.device(args.device)
     if args.threads:

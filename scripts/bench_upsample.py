@@ -29,6 +29,7 @@ Run (from the repository root)::
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 import os
 import statistics
@@ -88,6 +89,9 @@ def bench(name, shape, rounds):
 
 
 def main(argv=None):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from benchstats import cpu_header
+    print(cpu_header())
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", nargs="*", default=[c[0] for c in CONFIGS],
                    choices=[c[0] for c in CONFIGS])

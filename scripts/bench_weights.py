@@ -148,6 +148,9 @@ def memory(args) -> None:
 
 
 def main() -> None:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from benchstats import cpu_header
+    print(cpu_header())
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--memory", action="store_true")

@@ -55,3 +55,11 @@ def goal_met(vs_eager: tuple, vs_inductor: tuple | None = None) -> bool:
     """The kernel benchmarks' goal on two verdicts (other's time / the kernel's): faster than
     eager ("ahead") and, when measured, not slower than Inductor (not "behind")."""
     return vs_eager[0] == "ahead" and (vs_inductor is None or vs_inductor[0] != "behind")
+
+
+def cpu_header() -> str:
+    """The CPU profile the figures come from and the decisions taken from it
+    (``fxbackend.cpu_profile()``): the first lines every benchmark prints, so a table says
+    which CPU class it was measured on."""
+    import fxbackend
+    return "\n".join("# " + line for line in fxbackend.cpu_profile().report_lines())

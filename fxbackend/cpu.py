@@ -1,0 +1,348 @@
+"""The CPU profile: what the CPU a plan runs on can do, and the choices made from it.
+
+x86-64 CPUs differ where this backend's fast paths live.  On an AVX2-only CPU (no AVX-512, no
+VNNI, no native bf16) torch's bf16 ``mm`` runs ~170x slower than float32 and ``torch._int_mm``
+~100x slower; with AVX-512 VNNI ``torch._int_mm`` is several times faster than float32, and
+with AVX-512 BF16 or AMX a bf16 GEMM is faster still.  Every choice that depends on the CPU
+class is made here, from :func:`cpu_profile`, and shown in the plan report with its reason.
+
+The profile holds:
+- ``isa``: torch's ``torch.backends.cpu.get_cpu_capability()`` (``AVX2``, ``AVX512``, ...);
+- ``features``: the CPU flags that matter (:data:`FEATURES`), read from ``/proc/cpuinfo``;
+- ``threads``: ``torch.get_num_threads()``;
+- ``probes``: measured speeds where the features do not settle a choice (below).
+
+``FXB_CPU_PROFILE`` set to one of :data:`CLASSES` (``avx2``, ``avx512``, ``avx512_vnni``,
+``avx512_bf16``, ``amx``) replaces the detected features by that class's, so that every decision
+can be made, shown and tested on any host.  Under an override no probe runs (a probe measures
+the real CPU, which the override does not describe): a choice the class's features do not
+settle takes the class's conservative answer (float32, not the fast path that may crawl).
+The override changes decisions only; to run the kernels with narrower vectors too, also set
+``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 NUMBA_CPU_NAME=haswell``.
+
+Decisions (:meth:`CpuProfile.decide`), each a :class:`Decision` with its reason:
+- ``int8_gemm``: how ``sd.linear_i8.v1`` (W8A8) multiplies int8 by int8 on this CPU:
+  ``int_mm`` (``torch._int_mm``) where VNNI or AMX-INT8 dot products exist, or where the probe
+  measures it faster than float32; otherwise ``float32``: the ``quantize="w8a8"`` rewrite
+  declines every linear on the CPU with the reason, since no int8 path here beats the float32
+  GEMM it would replace.
+- ``bfloat16`` / ``float16``: how 16-bit GEMMs and convolutions compute: ``native`` where the
+  CPU has the 16-bit dot products (AVX-512 BF16 or AMX-BF16; AVX-512 FP16 or AMX-FP16) or the
+  probe measures the 16-bit op faster than the float32 op plus the casts; otherwise ``float32``:
+  the ``compute_in_float32`` rewrite (``patterns/upcast.py``) computes them in float32 from
+  weight copies upcast once and rounds the result once to the model's dtype.
+
+Probes (:func:`run_probes`): a few small timed ops (well under a second in all), run at plan
+time the first time a decision needs them, never inside a call, and cached on disk per CPU model,
+feature set, torch version, thread count and the vector-limiting environment, in
+``$XDG_CACHE_HOME/fxbackend/cpu/probes.json`` (default ``~/.cache/...``) next to the kernel
+cache.  ``FXB_CPU_PROBES=0`` turns them off (undecided choices then take the conservative
+answer).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import tempfile
+import threading
+import time
+from typing import Callable
+
+import torch
+
+__all__ = ["CpuProfile", "Decision", "cpu_profile", "CLASSES", "FEATURES", "run_probes",
+           "probe_cache_path", "cpu_report_lines"]
+
+#: the CPU flags (as ``/proc/cpuinfo`` names them) that the decisions read
+FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
+            "avx_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16",
+            "amx_fp16")
+
+_AVX2 = frozenset({"avx2", "fma"})
+_AVX512 = _AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+_VNNI = _AVX512 | {"avx512_vnni"}
+_BF16 = _VNNI | {"avx512_bf16"}
+#: ``FXB_CPU_PROFILE`` values: the features each class has
+CLASSES: dict[str, frozenset] = {
+    "avx2": _AVX2,
+    "avx512": _AVX512,
+    "avx512_vnni": _VNNI,
+    "avx512_bf16": _BF16,
+    "amx": _BF16 | {"avx512_fp16", "amx_tile", "amx_int8", "amx_bf16"},
+}
+_ISA = {"avx2": "AVX2"}  # every other class: AVX512
+
+#: the features that make each fast path native (no probe needed)
+_INT8_DOT = ("amx_int8", "avx512_vnni")
+_NATIVE_16 = {"bfloat16": ("amx_bf16", "avx512_bf16"), "float16": ("amx_fp16", "avx512_fp16")}
+#: a measured path must beat the other by this factor to be taken (the probes are small and
+#: the machine may be busy: a tie keeps the conservative path)
+MARGIN = 1.2
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """One choice made from the profile: ``choice`` and the ``reason`` shown in reports."""
+    name: str
+    choice: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.choice} ({self.reason})"
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuProfile:
+    """What the CPU can do (module docstring).  ``source`` says where the features came from:
+    ``"detected"`` or ``"FXB_CPU_PROFILE=<class>"``."""
+    isa: str
+    features: frozenset
+    threads: int
+    model: str
+    source: str
+    probes_enabled: bool = True
+
+    @property
+    def overridden(self) -> bool:
+        return self.source != "detected"
+
+    def has(self, *names: str) -> bool:
+        """True when the CPU has any of the features ``names``."""
+        return any(n in self.features for n in names)
+
+    def probes(self) -> dict:
+        """The measured probes (:func:`run_probes`), or ``{}`` under an override or with
+        ``FXB_CPU_PROBES=0``."""
+        if self.overridden or not self.probes_enabled:
+            return {}
+        return run_probes(self)
+
+    def decide(self, name: str) -> Decision:
+        """The decision ``name`` (``int8_gemm``, ``bfloat16``, ``float16``)."""
+        return _decide(self, name)
+
+    def decisions(self) -> list[Decision]:
+        """Every decision, in a fixed order."""
+        return [self.decide(n) for n in DECISIONS]
+
+    def summary(self) -> str:
+        """One line: the class, ISA, features and threads."""
+        feats = " ".join(f for f in FEATURES if f in self.features) or "none of note"
+        return (f"cpu profile ({self.source}): {self.model}, ISA {self.isa}, {self.threads} "
+                f"thread(s), features: {feats}")
+
+    def report_lines(self) -> list[str]:
+        """The summary, then one line per decision (as the plan report shows them)."""
+        return [self.summary()] + [f"cpu decision {d}" for d in self.decisions()]
+
+
+DECISIONS = ("int8_gemm", "bfloat16", "float16")
+
+
+def cpu_report_lines(graph) -> list[str]:
+    """:meth:`CpuProfile.report_lines` for a graph with a CPU tensor among its values, else
+    ``[]`` (a plan on another device takes no decision from the CPU)."""
+    def on_cpu(meta) -> bool:
+        if isinstance(meta, (tuple, list)):
+            return any(on_cpu(m) for m in meta)
+        device = getattr(meta, "device", None)
+        return device is not None and torch.device(device).type == "cpu"
+
+    if any(on_cpu(n.meta) for n in list(graph.inputs) + list(graph.nodes)):
+        return cpu_profile().report_lines()
+    return []
+
+
+def _decide(p: CpuProfile, name: str) -> Decision:
+    if name == "int8_gemm":
+        if p.has(*_INT8_DOT):
+            have = [f for f in _INT8_DOT if f in p.features]
+            return Decision(name, "int_mm", f"torch._int_mm: the CPU has {' and '.join(have)}")
+        ratio = p.probes().get("int_mm_speedup")
+        if ratio is not None:
+            if ratio >= MARGIN:
+                return Decision(name, "int_mm", f"torch._int_mm measured {ratio:.2f}x float32 "
+                                                "on this CPU")
+            return Decision(name, "float32", f"no int8 GEMM beats float32 here (torch._int_mm "
+                                             f"measured {ratio:.2f}x float32): W8A8 declines")
+        return Decision(name, "float32", "no VNNI or AMX-INT8, so int8 GEMM is slower than "
+                                         "float32 here: W8A8 declines")
+    if name in _NATIVE_16:
+        if p.has(*_NATIVE_16[name]):
+            have = [f for f in _NATIVE_16[name] if f in p.features]
+            return Decision(name, "native", f"the CPU has {' and '.join(have)}")
+        probes = p.probes()
+        gemm, conv = probes.get(f"{name}_mm_speedup"), probes.get(f"{name}_conv_speedup")
+        if gemm is not None and conv is not None:
+            if min(gemm, conv) >= MARGIN:
+                return Decision(name, "native", f"{name} GEMM measured {gemm:.2f}x and "
+                                                f"convolution {conv:.2f}x float32 compute here")
+            return Decision(name, "float32", f"GEMMs and convolutions compute in float32 "
+                                             f"(native {name} GEMM measured {gemm:.2f}x, "
+                                             f"convolution {conv:.2f}x the float32 compute)")
+        return Decision(name, "float32", f"no native {name} dot products on this CPU: GEMMs "
+                                         f"and convolutions compute in float32")
+    raise ValueError(f"cpu_profile().decide: unknown decision {name!r}; one of {DECISIONS}")
+
+
+def _cpuinfo() -> tuple[frozenset, str]:
+    """The CPU's flags among :data:`FEATURES` and its model name, from ``/proc/cpuinfo``
+    (empty and ``"unknown CPU"`` elsewhere)."""
+    flags: set = set()
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "flags" and not flags:
+                    flags = set(value.split())
+                elif key == "model name" and model == "unknown CPU":
+                    model = value.strip()
+                if flags and model != "unknown CPU":
+                    break
+    except OSError:
+        pass
+    return frozenset(f for f in FEATURES if f in flags), model
+
+
+def _isa() -> str:
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except Exception:
+        return "unknown"
+
+
+def cpu_profile() -> CpuProfile:
+    """The profile of this process's CPU (module docstring): detected, or the class named by
+    ``FXB_CPU_PROFILE``; read again whenever the environment or the thread count changes.
+    Raises ValueError naming the variable and the accepted values for an unknown class."""
+    return _profile(os.environ.get("FXB_CPU_PROFILE", "").strip().lower(),
+                    os.environ.get("FXB_CPU_PROBES", "1").strip() not in ("0", "false", "no"),
+                    torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=None)
+def _profile(override: str, probes: bool, threads: int) -> CpuProfile:
+    features, model = _cpuinfo()
+    isa = _isa()
+    if override:
+        if override not in CLASSES:
+            raise ValueError(f"FXB_CPU_PROFILE={override!r}: expected one of "
+                             f"{', '.join(CLASSES)}")
+        return CpuProfile(_ISA.get(override, "AVX512"), CLASSES[override], threads, model,
+                          f"FXB_CPU_PROFILE={override}", probes)
+    if isa in ("AVX2", "DEFAULT"):  # torch limited to AVX2 (ATEN_CPU_CAPABILITY): no 512-bit
+        features = features - {f for f in features if f.startswith(("avx512", "amx"))}
+    return CpuProfile(isa, features, threads, model, "detected", probes)
+
+
+# ---------------------------------------------------------------------------------------------
+# probes
+
+_probe_lock = threading.Lock()
+_probed: dict[str, dict] = {}
+#: the environment that limits the vectors: part of the cache key
+_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "NUMBA_CPU_NAME")
+
+
+def probe_cache_path() -> str:
+    """The probes' file: ``$XDG_CACHE_HOME/fxbackend/cpu/probes.json``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "fxbackend", "cpu", "probes.json")
+
+
+def _key(p: CpuProfile) -> str:
+    text = json.dumps([p.model, sorted(p.features), p.isa, torch.__version__, p.threads,
+                       [os.environ.get(v, "") for v in _LIMITS], _PROBE_VERSION])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _speedup(candidate: Callable[[], object], rival: Callable[[], object], rounds: int = 4,
+             budget_s: float = 0.3) -> float:
+    """How many times faster ``candidate`` runs than ``rival`` (>1: faster): the best of
+    ``rounds`` calls of each, interleaved so that a load on the machine hits both, after one
+    warm-up call each; stops early past ``budget_s`` (a crawling path needs no more samples
+    to be seen as slow)."""
+    candidate()
+    rival()
+    best = [float("inf"), float("inf")]
+    start = time.perf_counter()
+    for _ in range(rounds):
+        for i, fn in enumerate((candidate, rival)):
+            t0 = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t0)
+        if time.perf_counter() - start > budget_s:
+            break
+    return best[1] / best[0]
+
+
+_PROBE_VERSION = 1
+
+
+def _measure() -> dict:
+    """The probes' raw figures: the speed of each candidate path against its float32 rival
+    (>1: the candidate is faster).  Shapes: a [256, 512] x [512, 512] GEMM, and a 3x3
+    convolution of 32 channels on 32x32 in channels-last (the layout the plans give 16-bit
+    convolutions)."""
+    g = torch.Generator().manual_seed(0)
+    out: dict = {}
+    with torch.no_grad():
+        m, k, n = 256, 512, 512
+        x = torch.randn(m, k, generator=g)
+        w = torch.randn(n, k, generator=g)
+        qx = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
+        qw = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+        out["int_mm_speedup"] = _speedup(lambda: torch._int_mm(qx, qw.t()),
+                                         lambda: torch.mm(x, w.t()))
+        cl = torch.channels_last
+        xc = torch.randn(1, 32, 32, 32, generator=g).to(memory_format=cl)
+        wc = torch.randn(32, 32, 3, 3, generator=g).to(memory_format=cl)
+        for dtype in (torch.bfloat16, torch.float16):
+            name = str(dtype).removeprefix("torch.")
+            x16, w16 = x.to(dtype), w.to(dtype)
+            w32 = w16.float()  # the plan upcasts a weight once
+            out[f"{name}_mm_speedup"] = _speedup(
+                lambda: torch.mm(x16, w16.t()),
+                lambda: torch.mm(x16.float(), w32.t()).to(dtype))
+            xc16, wc16 = xc.to(dtype), wc.to(dtype)
+            wc32 = wc16.float()
+            out[f"{name}_conv_speedup"] = _speedup(
+                lambda: torch.conv2d(xc16, wc16, padding=1),
+                lambda: torch.conv2d(xc16.float(), wc32, padding=1).to(dtype))
+    return out
+
+
+def run_probes(p: CpuProfile) -> dict:
+    """The probes for profile ``p`` (module docstring): from the disk cache, else measured now
+    (and saved).  A cache that cannot be read or written is measured around, never fatal."""
+    key = _key(p)
+    with _probe_lock:
+        if key in _probed:
+            return _probed[key]
+        path = probe_cache_path()
+        try:
+            with open(path) as f:
+                saved = json.load(f)
+        except (OSError, ValueError):
+            saved = {}
+        entry = saved.get(key) if isinstance(saved, dict) else None
+        if not isinstance(entry, dict) or "int_mm_speedup" not in entry:
+            entry = _measure()
+            entry["measured"] = time.strftime("%Y-%m-%d %H:%M:%S")
+            saved = saved if isinstance(saved, dict) else {}
+            saved[key] = entry
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+                with os.fdopen(fd, "w") as f:
+                    json.dump(saved, f, indent=1, sort_keys=True)
+                os.replace(tmp, path)
+            except OSError:
+                pass
+        _probed[key] = entry
+        return entry

@@ -1,0 +1,251 @@
+"""The CPU profile (``fxbackend.cpu``) and the choices made from it: every decision is asserted
+for each ``FXB_CPU_PROFILE`` class, on any host; the host's own profile only for what its
+detection implies (never a count that holds on one machine)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fxbackend
+from fxbackend import cpu
+
+#: what each class implies: (int8_gemm, bfloat16, float16)
+EXPECTED = {
+    "avx2": ("float32", "float32", "float32"),
+    "avx512": ("float32", "float32", "float32"),
+    "avx512_vnni": ("int_mm", "float32", "float32"),
+    "avx512_bf16": ("int_mm", "native", "float32"),
+    "amx": ("int_mm", "native", "native"),
+}
+
+
+@pytest.fixture
+def no_probe(monkeypatch):
+    """Any probe run fails the test: an override never measures the real CPU."""
+    def fail():
+        raise AssertionError("a probe ran")
+    monkeypatch.setattr(cpu, "_measure", fail)
+
+
+def test_every_class_has_an_expectation():
+    assert set(EXPECTED) == set(cpu.CLASSES)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_override_decides_from_the_class_alone(name, monkeypatch, no_probe):
+    monkeypatch.setenv("FXB_CPU_PROFILE", name)
+    p = fxbackend.cpu_profile()
+    assert p.features == cpu.CLASSES[name]
+    assert p.source == f"FXB_CPU_PROFILE={name}" and p.overridden
+    assert p.isa == ("AVX2" if name == "avx2" else "AVX512")
+    assert p.threads == torch.get_num_threads()
+    got = tuple(p.decide(d).choice for d in ("int8_gemm", "bfloat16", "float16"))
+    assert got == EXPECTED[name]
+    lines = p.report_lines()
+    assert lines[0].startswith(f"cpu profile (FXB_CPU_PROFILE={name})")
+    assert len(lines) == 1 + len(cpu.DECISIONS)
+    assert all(line.startswith("cpu decision ") and "(" in line for line in lines[1:])
+
+
+def test_an_unknown_class_names_the_variable_and_the_choices(monkeypatch):
+    monkeypatch.setenv("FXB_CPU_PROFILE", "avx1024")
+    with pytest.raises(ValueError, match=r"FXB_CPU_PROFILE='avx1024'.*avx2.*amx"):
+        fxbackend.cpu_profile()
+
+
+def test_the_detected_profile_reads_the_host():
+    p = fxbackend.cpu_profile() if not os.environ.get("FXB_CPU_PROFILE") else None
+    if p is None:
+        pytest.skip("FXB_CPU_PROFILE is set for this run")
+    assert p.source == "detected"
+    assert p.isa == torch.backends.cpu.get_cpu_capability()
+    assert p.features <= set(cpu.FEATURES)
+    if p.isa == "AVX2":  # torch limited to AVX2: no 512-bit feature is claimed
+        assert not any(f.startswith(("avx512", "amx")) for f in p.features)
+    # a feature that settles a decision settles it without a probe
+    if p.has("amx_int8", "avx512_vnni"):
+        assert p.decide("int8_gemm").choice == "int_mm"
+    if p.has("amx_bf16", "avx512_bf16"):
+        assert p.decide("bfloat16").choice == "native"
+
+
+def _detected(features=frozenset()) -> cpu.CpuProfile:
+    return cpu.CpuProfile("AVX2", frozenset(features), 2, "test CPU", "detected")
+
+
+@pytest.mark.parametrize("ratios,want", [
+    ({"int_mm_speedup": 0.01, "bfloat16_mm_speedup": 0.006, "bfloat16_conv_speedup": 0.005},
+     ("float32", "float32")),
+    ({"int_mm_speedup": 3.0, "bfloat16_mm_speedup": 2.0, "bfloat16_conv_speedup": 1.5},
+     ("int_mm", "native")),
+    # within the margin: the conservative path
+    ({"int_mm_speedup": 1.1, "bfloat16_mm_speedup": 4.0, "bfloat16_conv_speedup": 1.1},
+     ("float32", "float32")),
+])
+def test_probes_decide_what_features_do_not(ratios, want, monkeypatch):
+    monkeypatch.setattr(cpu, "run_probes", lambda p: ratios)
+    p = _detected()
+    got = p.decide("int8_gemm"), p.decide("bfloat16")
+    assert tuple(d.choice for d in got) == want
+    assert f"{ratios['int_mm_speedup']:.2f}x" in got[0].reason  # the figure is shown
+
+
+def test_features_settle_without_probing(monkeypatch, no_probe):
+    p = _detected({"avx2", "avx512_vnni", "avx512_bf16"})
+    assert p.decide("int8_gemm").choice == "int_mm"
+    assert p.decide("bfloat16").choice == "native"
+    assert "avx512_bf16" in p.decide("bfloat16").reason
+
+
+def test_probes_off_take_the_conservative_path(monkeypatch, no_probe):
+    p = cpu.CpuProfile("AVX2", frozenset({"avx2"}), 2, "test CPU", "detected",
+                       probes_enabled=False)
+    assert p.decide("int8_gemm").choice == "float32"
+    assert p.decide("float16").choice == "float32"
+
+
+def test_probes_are_measured_once_and_cached_on_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu, "_probed", {})
+    calls = []
+    fake = {"int_mm_speedup": 0.5, "bfloat16_mm_speedup": 0.2, "bfloat16_conv_speedup": 0.1,
+            "float16_mm_speedup": 0.2, "float16_conv_speedup": 0.1}
+    monkeypatch.setattr(cpu, "_measure", lambda: calls.append(1) or dict(fake))
+    p = _detected()
+    first = cpu.run_probes(p)
+    assert calls == [1] and first["int_mm_speedup"] == 0.5
+    saved = json.loads(open(cpu.probe_cache_path()).read())
+    assert len(saved) == 1 and next(iter(saved.values()))["bfloat16_conv_speedup"] == 0.1
+    monkeypatch.setattr(cpu, "_probed", {})  # a new process: read from disk, not measured
+    assert cpu.run_probes(p)["int_mm_speedup"] == 0.5 and calls == [1]
+    other = cpu.CpuProfile("AVX2", frozenset(), 4, "test CPU", "detected")  # threads: new key
+    cpu.run_probes(other)
+    assert calls == [1, 1]
+
+
+def test_real_probes_are_quick_and_finite(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    got = cpu._measure()
+    assert set(got) == {"int_mm_speedup", "bfloat16_mm_speedup", "bfloat16_conv_speedup",
+                        "float16_mm_speedup", "float16_conv_speedup"}
+    assert all(0 < v < float("inf") for v in got.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# the decisions in plans
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(64, 128)
+        self.b = torch.nn.Linear(128, 64)
+
+    def forward(self, x):
+        return self.b(torch.nn.functional.gelu(self.a(x)))
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_w8a8_follows_the_int8_decision(name, monkeypatch):
+    monkeypatch.setenv("FXB_CPU_PROFILE", name)
+    torch.manual_seed(0)
+    model = _Mlp().eval()
+    x = torch.randn(8, 64)
+    fxbackend.reset_stats()
+    report = fxbackend.explain(model, x, options={"quantize": "w8a8"})
+    quantized = fxbackend.stats()["rewrites_by_rule"].get("quantize_w8a8", 0)
+    if EXPECTED[name][0] == "int_mm":
+        assert quantized == 2, report
+    else:
+        assert quantized == 0 and "linear_i8" not in report, report
+        assert report.count("rewrite quantize_w8a8 declined") == 2
+        assert "int8 GEMM on this CPU: no VNNI or AMX-INT8" in report
+    assert f"cpu profile (FXB_CPU_PROFILE={name})" in report
+    assert "cpu decision int8_gemm: " + EXPECTED[name][0] in report
+
+
+class _ConvNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1 = torch.nn.Conv2d(4, 16, 3, padding=1)
+        self.c2 = torch.nn.Conv2d(16, 16, 3, padding=1)
+        self.lin = torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = torch.nn.functional.silu(self.c1(x))
+        h = self.c2(h) + h
+        return self.lin(h.mean((2, 3)))
+
+
+def _rel(a, ref):
+    return ((a.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("name", ["avx2", "amx"])
+def test_bf16_gemms_and_convolutions_follow_the_16bit_decision(name, monkeypatch):
+    monkeypatch.setenv("FXB_CPU_PROFILE", name)
+    torch.manual_seed(0)
+    m32 = _ConvNet().eval()
+    m16 = _ConvNet().eval()
+    m16.load_state_dict(m32.state_dict())
+    m16 = m16.to(torch.bfloat16)
+    x = torch.randn(2, 4, 16, 16)
+    with torch.no_grad():
+        ref = m32(x)
+        eager = m16(x.bfloat16())
+    torch._dynamo.reset()
+    fxbackend.reset_stats()
+    compiled = torch.compile(m16, backend="fxbackend")
+    with torch.no_grad():
+        got = compiled(x.bfloat16())
+        again = compiled(x.bfloat16())
+    assert got.dtype == torch.bfloat16 and torch.equal(got, again)
+    rewritten = fxbackend.stats()["rewrites_by_rule"].get("compute_in_float32", 0)
+    if EXPECTED[name][1] == "float32":
+        assert rewritten == 3  # two convolutions and the linear
+        # the upcast weights are computed once and kept between calls
+        assert fxbackend.stats()["weight_steps_cached"] >= 3
+        # one rounding of a float32 result: no worse than bf16 eager (plus half an ulp)
+        assert _rel(got, ref) <= _rel(eager, ref) + 2 ** -8
+    else:
+        assert rewritten == 0
+        torch.testing.assert_close(got, eager, rtol=2e-2, atol=2e-2)
+
+
+def test_the_16bit_rewrite_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("FXB_CPU_PROFILE", "avx2")
+    model = _ConvNet().eval().to(torch.bfloat16)
+    x = torch.randn(1, 4, 8, 8).bfloat16()
+    report = fxbackend.explain(model, x, options={"disable_rewrites": ["compute_in_float32"]})
+    assert "cpu decision bfloat16: float32" in report  # decided, and not applied
+    torch._dynamo.reset()
+    fxbackend.reset_stats()
+    with torch.no_grad():
+        torch.compile(model, backend="fxbackend",
+                      options={"disable_rewrites": ["compute_in_float32"]})(x)
+    assert "compute_in_float32" not in fxbackend.stats()["rewrites_by_rule"]
+
+
+def test_numba_compiles_for_a_named_cpu_only():
+    """``NUMBA_CPU_NAME=haswell`` (the AVX2 check on an AVX-512 host) gives AVX2 kernels: no
+    512-bit registers in the machine code."""
+    code = ("import fxbackend, numpy as np\n"
+            "from fxbackend.cpu_kernels._numba import import_numba\n"
+            "nb = import_numba()\n"
+            "@nb.njit\n"
+            "def f(a):\n"
+            "    for i in range(a.size):\n"
+            "        a[i] = a[i] * 2.0\n"
+            "f(np.ones(64, np.float32))\n"
+            "print('zmm' in next(iter(f.inspect_asm().values())))\n")
+    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CACHE_DIR="")
+    env.pop("NUMBA_CPU_FEATURES", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"
