@@ -27,7 +27,8 @@ of the packed layout are written as zeros with scale 0.0.  Strict IEEE float32 t
 fadd/fsub carry no fast-math flags), so codes and scales are bit-equal to
 ``quantize_i8_convrot_reference``.
 
-Linear (:class:`LinearI8CPU`), three phases, each a whole pass over its data:
+Linear (``linear_kernel``: ``patterns/int8.LinearKernel`` over this file's ``DEVICE``), three
+phases, each a whole pass over its data:
 1. ``x_kind="float"``: quantize x into the workspace, in the packed layout
    (``packed_nbytes(M, K)`` bytes); ``packed``/``int8`` operands are read in place.
    ``w_kind="float"``: the weight is quantized by the same kernel, once per model, and again
@@ -54,7 +55,7 @@ so ``Plan.cancel()`` stops a long layer after quantization or after the GEMM.
 ``supports`` declines (the op's reference then runs natively, with the same result): K or N not
 divisible by 4, non-contiguous operands, scales that are not 1-D contiguous float32 of exactly
 M / N elements, a bias that is not 1-D contiguous ``[N]``, devices other than the CPU; the
-reason is :meth:`LinearI8CPU.why_not`.  Kernels compile at plan time (``compile``) and are
+reason is :func:`linear_why_not`.  Kernels compile at plan time (``compile``) and are
 cached on disk (``cpu_kernels/_numba.py``); the disk cache is keyed on this file (a change to
 rope's ``_load`` needs a change here or a cleared cache).
 """
@@ -67,16 +68,17 @@ import torch
 
 import fxbackend
 from fxbackend import TensorMeta, services
-from fxbackend.patterns.int8 import (quantize_node_why_not, REGULAR_HADAMARD_GROUPS, check_linear, hadamard_stages,
-                                     WeightState, linear_node_operands, linear_srcs,
-                                     packed_nbytes, padded_rows, unpack)
+from fxbackend.patterns.int8 import (FLOATS, REGULAR_HADAMARD_GROUPS, Int8Device, LinearKernel,
+                                     QuantizeKernel, check_linear, hadamard_stages,
+                                     linear_node_why_not, packed_nbytes, quantize_packed,
+                                     run_linear, scales_why_not)
 
 from . import _numba
 from . import rope as _rope
 from .rope import _NP_OF, _compile_lock, _flat, _load, _set_threads, _store
 
 __all__ = ["quantize_i8_convrot_cpu", "quantize_rows_cpu", "linear_i8_cpu", "compile_kernels",
-           "QuantizeI8ConvRotCPU", "LinearI8CPU"]
+           "linear_why_not", "DEVICE", "quantize_kernel", "linear_kernel"]
 
 #: ``numba.prange`` once numba is imported (see ``cpu_kernels/_numba.py``); ``range`` until then
 prange = range
@@ -86,11 +88,12 @@ _MAGIC = np.float32(12582912.0)
 _QMAX = np.float32(127.0)
 _ONE = np.float32(1.0)
 _ZERO = np.float32(0.0)
-_F32 = (torch.float32, torch.bfloat16, torch.float16)
 _U0, _U1, _U2, _U3, _U4, _U8, _U16 = (np.uint64(v) for v in (0, 1, 2, 3, 4, 8, 16))
 #: elements per parallel task of the quantize kernel at least (numba's per-task cost is ~1 us)
 _MIN_TASK_ELEMS = 16384
 _ABS_BITS = np.uint32(0x7FFFFFFF)
+#: the operands of ``sd.linear_i8.v1`` in the order of ``check_linear``'s arguments
+_LINEAR_ARGS = ("x", "w", "w_scale", "x_scale", "bias")
 
 
 # -- numba kernels (plain Python, jitted lazily) --------------------------------------------------
@@ -325,12 +328,6 @@ def rows_per_task(rows: int, k: int, threads: int) -> int:
     return max(1, min(per, max(rows, 1)))
 
 
-def _quantize_packed(x: torch.Tensor, group: int, packed: torch.Tensor, m: int, k: int) -> None:
-    mp = padded_rows(m)
-    scales = packed[mp * k: mp * k + 4 * mp].view(torch.float32)
-    quantize_rows_cpu(x, group, packed[:mp * k], scales, m, mp)
-
-
 def quantize_i8_convrot_cpu(x: torch.Tensor, group: int = 1,
                             out: torch.Tensor | None = None) -> torch.Tensor:
     """``sd.quantize_i8_convrot.v1(x) {group}`` with the numba kernel: the packed layout (in
@@ -350,7 +347,7 @@ def quantize_i8_convrot_cpu(x: torch.Tensor, group: int = 1,
             out.storage_offset() % 4 or out.device.type != "cpu":
         raise ValueError(f"quantize_i8_convrot_cpu: out must be a contiguous 1-D int8 CPU "
                          f"tensor of {nb} bytes at a storage offset divisible by 4")
-    _quantize_packed(x, group, out, m, k)
+    quantize_packed(DEVICE, x, group, out, m, k)
     return out
 
 
@@ -372,29 +369,6 @@ def _epilogue(acc: torch.Tensor, out: torch.Tensor, xs: torch.Tensor, ws: torch.
         bias is not None)
 
 
-def _linear(x_kind: str, group: int, M: int, K: int, N: int, x, x_scale, qw, ws, bias,
-            out: torch.Tensor, workspace: torch.Tensor | None) -> None:
-    """Phases 1 (activations) to 3 of the module docstring into ``out`` (float32, contiguous,
-    M * N elements); ``qw``/``ws`` the int8 weight and its scales."""
-    if M == 0:
-        return
-    if x_kind == "float":
-        nb = packed_nbytes(M, K)
-        buf = (workspace[:nb].view(torch.int8) if workspace is not None and
-               workspace.numel() >= nb else torch.empty(nb, dtype=torch.int8))
-        _quantize_packed(x, group, buf, M, K)
-        qx, xs = unpack(buf, M, K)
-    elif x_kind == "packed":
-        qx, xs = unpack(x, M, K)
-    else:
-        qx, xs = x.view(M, K), x_scale
-    _check_cancelled()
-    acc = out.view(torch.int32).view(M, N)
-    torch._int_mm(qx, qw.t(), out=acc)
-    _check_cancelled()
-    _epilogue(acc, out, xs, ws, bias, M, N)
-
-
 def linear_i8_cpu(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                   x_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
                   x_kind: str, group: int = 1, m: int = -1, lead: tuple = (),
@@ -402,14 +376,14 @@ def linear_i8_cpu(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     """``sd.linear_i8.v1 {w_kind="int8"}`` with this file's kernels (direct calls and
     benchmarks): returns ``out`` (float32 ``lead + (N,)``, allocated when None).  A float
     weight is quantized ahead of time with ``quantize_weight_i8_reference``.  ValueError for
-    inputs the kernels do not take (the reasons of :meth:`LinearI8CPU.why_not`)."""
+    inputs the kernels do not take (the reasons of :func:`linear_why_not`)."""
     metas = [None if t is None else TensorMeta.of(t) for t in (x, w, w_scale, x_scale, bias)]
     try:
         M, K, N, lead_out = check_linear(*metas, x_kind=x_kind, w_kind="int8", group=group,
                                          m=m, lead=lead, who="linear_i8_cpu")
     except ValueError as e:
         raise ValueError(str(e)) from None
-    why = _why_not_linear(*metas, x_kind, "int8", M, K, N)
+    why = _why_not_operands(dict(zip(_LINEAR_ARGS, metas)), M, K, N, x_kind)
     if why is not None:
         raise ValueError(f"linear_i8_cpu: unsupported input: {why}")
     shape = tuple(lead_out) + (N,)
@@ -418,7 +392,7 @@ def linear_i8_cpu(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     elif tuple(out.shape) != shape or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"linear_i8_cpu: out must be a contiguous float32 tensor of shape "
                          f"{shape}")
-    _linear(x_kind, group, M, K, N, x, x_scale, w, w_scale, bias, out, None)
+    run_linear(DEVICE, x_kind, group, M, K, N, x, x_scale, w, w_scale, bias, out, None)
     return out
 
 
@@ -429,7 +403,7 @@ def _why_not_quantize(x: Any, group: Any) -> str | None:
         return "x is not a concrete tensor"
     if x.device.type != "cpu":
         return f"x is on {x.device}"
-    if x.dtype not in _F32:
+    if x.dtype not in FLOATS:
         return f"x dtype {x.dtype} (float32, bfloat16 or float16)"
     if group not in REGULAR_HADAMARD_GROUPS or isinstance(group, bool):
         return f"group {group!r}"
@@ -440,14 +414,10 @@ def _why_not_quantize(x: Any, group: Any) -> str | None:
     return None
 
 
-def _is_vector(t: Any, n: int) -> bool:
-    return isinstance(t, TensorMeta) and tuple(t.shape) == (n,) and t.is_contiguous
-
-
-def _why_not_linear(x, w, w_scale, x_scale, bias, x_kind, w_kind, M, K, N) -> str | None:
-    """Reasons of :meth:`LinearI8CPU.why_not` on checked operands (None: supported)."""
-    for name, t in (("x", x), ("w", w), ("w_scale", w_scale), ("x_scale", x_scale),
-                    ("bias", bias)):
+def _why_not_operands(s: dict, M: int, K: int, N: int, x_kind: str) -> str | None:
+    """Reasons of :func:`linear_why_not` on checked operands (metadata by name; None:
+    supported)."""
+    for name, t in s.items():
         if t is None:
             continue
         if not isinstance(t, TensorMeta) or t.is_symbolic:
@@ -456,69 +426,29 @@ def _why_not_linear(x, w, w_scale, x_scale, bias, x_kind, w_kind, M, K, N) -> st
             return f"{name} is on {t.device}"
     if K % 4 or N % 4:
         return f"K={K} and N={N} must be multiples of 4"
-    if not x.is_contiguous or not w.is_contiguous:
+    if not s["x"].is_contiguous or not s["w"].is_contiguous:
         return "x and w must be contiguous"
-    if w_scale is not None and (w_scale.dtype != torch.float32 or not _is_vector(w_scale, N)):
-        return f"w_scale must be float32 [{N}] contiguous, got {w_scale.short()}"
-    if x_scale is not None and (x_scale.dtype != torch.float32 or not _is_vector(x_scale, M)):
-        return f"x_scale must be float32 [{M}] contiguous, got {x_scale.short()}"
-    if bias is not None and (bias.dtype not in _F32 or not _is_vector(bias, N)):
-        return f"bias must be [{N}] contiguous, got {bias.short()}"
-    if x_kind == "packed" and x.storage_offset % 4:
-        return "packed x's storage offset is not a multiple of 4"
-    return None
+    why = scales_why_not(s, M, N)
+    if why is None and x_kind == "packed" and s["x"].storage_offset % 4:
+        why = "packed x's storage offset is not a multiple of 4"
+    return why
 
 
 def linear_why_not(node) -> str | None:
-    """None when :class:`LinearI8CPU` computes ``node`` (an ``sd.linear_i8.v1`` node), else the
-    reason.  Metadata only; never raises."""
-    try:
-        s, M, K, N, why = linear_node_operands(node)
-        if why is not None:
-            return why
-        p = node.params
-        return _why_not_linear(s["x"], s["w"], s["w_scale"], s["x_scale"], s["bias"],
-                               p["x_kind"], p["w_kind"], M, K, N)
-    except Exception as exc:  # never raise: decline
-        return f"node not understood ({type(exc).__name__}: {exc})"
+    """None when the CPU's linear kernel computes ``node`` (an ``sd.linear_i8.v1`` node), else
+    the reason.  Metadata only; never raises."""
+    return linear_node_why_not(
+        node, lambda s, M, K, N, n: _why_not_operands(s, M, K, N, n.params["x_kind"]))
 
 
 # -- registry kernels -----------------------------------------------------------------------------
 
-class QuantizeI8ConvRotCPU:
-    """The numba kernel for ``sd.quantize_i8_convrot.v1``: contiguous float32/bf16/fp16 x, any
-    K divisible by the group.  Workspace: none."""
-
-    name = "quantize_i8_convrot_cpu"
-    op = "sd.quantize_i8_convrot.v1"
-
-    def why_not(self, node) -> str | None:
-        """None when this kernel computes ``node``, else the reason (never raises)."""
-        return quantize_node_why_not(node, _why_not_quantize)
-
-    def supports(self, node) -> bool:
-        return self.why_not(node) is None
-
-    def compile(self, node) -> None:
-        compile_kernels(node.srcs[0].meta.dtype, epilogue=False)
-
-    def execute(self, ctx, node, state, inputs, out, workspace) -> None:
-        x = inputs[0]
-        if not x.is_contiguous():  # other strides than planned (the Dynamo path): stay right
-            x = x.contiguous()
-        k = x.shape[-1]
-        _quantize_packed(x, node.params["group"], out, x.numel() // k, k)
+def _epilogue_rows(acc, out, xs, ws, bias) -> None:
+    _epilogue(acc, out, xs, ws, bias, *acc.shape)
 
 
-class _LinearState:
-    """Per-step state: the shapes, and for ``w_kind="float"`` the weight this step quantized
-    (``weight``: a :class:`~fxbackend.patterns.int8.WeightState`)."""
-
-    __slots__ = ("M", "K", "N", "weight")
-
-    def __init__(self, M: int, K: int, N: int, w_kind: str) -> None:
-        self.M, self.K, self.N = M, K, N
-        self.weight = WeightState(N, K, torch.device("cpu")) if w_kind == "float" else None
+def _gemm(qx: torch.Tensor, qw: torch.Tensor, acc: torch.Tensor) -> None:
+    torch._int_mm(qx, qw.t(), out=acc)
 
 
 def _quantize_weight(w: torch.Tensor, group: int, w_i8: torch.Tensor,
@@ -527,52 +457,22 @@ def _quantize_weight(w: torch.Tensor, group: int, w_i8: torch.Tensor,
     quantize_rows_cpu(w, group, w_i8, w_scale, n, n)
 
 
-class LinearI8CPU:
-    """``sd.linear_i8.v1`` on the CPU: numba quantize (x_kind float; w_kind float into the
-    state), ``torch._int_mm``, numba epilogue (module docstring).  Workspace: the packed x
-    (``packed_nbytes(M, K)`` bytes) for ``x_kind="float"``, else none."""
-
-    name = "linear_i8_cpu"
-    op = "sd.linear_i8.v1"
-
-    def why_not(self, node) -> str | None:
-        """None when this kernel computes ``node``, else the reason (never raises)."""
-        return linear_why_not(node)
-
-    def supports(self, node) -> bool:
-        return linear_why_not(node) is None
-
-    def compile(self, node) -> None:
-        p = node.params
-        s = linear_srcs([n.meta for n in node.srcs], p)
-        if p["x_kind"] == "float":
-            compile_kernels(s["x"].dtype, None, epilogue=False)
-        if p["w_kind"] == "float":
-            compile_kernels(s["w"].dtype, None, epilogue=False)
-        compile_kernels(None, None if s["bias"] is None else s["bias"].dtype)
-
-    def prepare(self, node) -> tuple:
-        p = node.params
-        s = linear_srcs([n.meta for n in node.srcs], p)
-        M, K, N, _ = check_linear(**s, x_kind=p["x_kind"], w_kind=p["w_kind"],
-                                  group=p["group"], m=p["m"], lead=p["lead"])
-        ws = packed_nbytes(M, K) if p["x_kind"] == "float" else 0
-        return _LinearState(M, K, N, p["w_kind"]), ws
-
-    def execute(self, ctx, node, state, inputs, out, workspace) -> None:
-        p = node.params
-        s = linear_srcs(inputs, p)
-        x = s["x"]
-        if not x.is_contiguous():  # other strides than planned (the Dynamo path): stay right
-            x = x.contiguous()
-        if p["w_kind"] == "float":
-            qw, ws = state.weight.get(s["w"], p["group"], _quantize_weight)
-            _check_cancelled()
-        else:
-            qw, ws = s["w"], s["w_scale"]
-        _linear(p["x_kind"], p["group"], state.M, state.K, state.N, x, s["x_scale"], qw, ws,
-                s["bias"], out, workspace)
+def _compile_quantize(x, m, mp, group, device) -> None:
+    compile_kernels(x.dtype, None, epilogue=False)
 
 
-fxbackend.register_kernel("cpu", QuantizeI8ConvRotCPU)
-fxbackend.register_kernel("cpu", LinearI8CPU)
+def _compile_epilogue(m, n, bias_dtype, out_dtype, device) -> None:
+    compile_kernels(None, bias_dtype, out_dtype=out_dtype)
+
+
+#: the CPU's INT8 building blocks (``patterns/int8.Int8Device``): the registry kernels below and
+#: the fused steps of ``cpu_kernels/int8_fusions.py``; cancellation checked between the phases
+DEVICE = Int8Device(quantize_rows=quantize_rows_cpu, gemm=_gemm, epilogue=_epilogue_rows,
+                    why_not_quantize=_why_not_quantize, why_not_linear=linear_why_not,
+                    compile_quantize=_compile_quantize, compile_epilogue=_compile_epilogue,
+                    quantize_weight=_quantize_weight, between=_check_cancelled)
+#: ``sd.quantize_i8_convrot.v1``: the numba kernel (contiguous x, any K divisible by the group)
+quantize_kernel = fxbackend.register_kernel("cpu", QuantizeKernel(DEVICE,
+                                                                  "quantize_i8_convrot_cpu"))
+#: ``sd.linear_i8.v1``, both weight kinds: numba quantize, ``torch._int_mm``, numba epilogue
+linear_kernel = fxbackend.register_kernel("cpu", LinearKernel(DEVICE, "linear_i8_cpu"))

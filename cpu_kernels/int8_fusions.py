@@ -421,7 +421,7 @@ def int8_gated_residual_cpu(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Ten
     metas = [None if t is None else TensorMeta.of(t) for t in (x, w, w_scale, x_scale, bias)]
     M, K, N, lead_out = check_linear(*metas, x_kind=x_kind, w_kind="int8", group=group, m=m,
                                      lead=lead, who="int8_gated_residual_cpu")
-    why = _i8._why_not_linear(*metas, x_kind, "int8", M, K, N)
+    why = _i8._why_not_operands(dict(zip(_i8._LINEAR_ARGS, metas)), M, K, N, x_kind)
     y_shape = tuple(lead_out) + (N,) if y_shape is None else tuple(y_shape)
     if why is None and (len(y_shape) < 1 or y_shape[-1] != N or
                         int(np.prod(y_shape)) != M * N):
@@ -506,7 +506,7 @@ def _int8_call_check(who, metas, why_out) -> None:
     """ValueError naming ``who`` where the kernels do not take the linear (``metas`` from
     :func:`_int8_call_metas`) or the output (``why_out``)."""
     (m, M, K, N) = metas
-    why = _i8._why_not_linear(*m[:2], m[2], m[3], m[4], "int8", "int8", M, K, N) or why_out
+    why = _i8._why_not_operands(dict(zip(_i8._LINEAR_ARGS, m)), M, K, N, "int8") or why_out
     if why is not None:
         raise ValueError(f"{who}: unsupported input: {why}")
 

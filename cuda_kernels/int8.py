@@ -18,11 +18,12 @@ groups (K and BLOCK are multiples of the group), which rotate to zeros.  The sca
 ``quantize_i8_convrot_reference`` (a middle-axis slice is taken as a masked sum of one value
 and three zeros, exact but for the sign of a zero, which no code or scale can show).
 
-Linear (:class:`LinearI8CUDA` for an int8 weight, capture-safe; :class:`LinearI8FloatWeightCUDA`
-for a float weight, not capture-safe since it decides on the host, per call, whether the weight
-changed): quantize x into the workspace (``x_kind="float"``) or read the
-packed / int8 operand in place; ``torch._int_mm(q_x [M, K], q_w.T)`` into the output's storage
-viewed as int32; then ``_epilogue_kernel`` in place, tiles of BLOCK_M x BLOCK_N::
+Linear (``patterns/int8.LinearKernel`` over this file's ``DEVICE``: ``linear_kernel`` for an
+int8 weight, capture-safe; ``float_weight_linear_kernel`` for a float weight, not capture-safe
+since it decides on the host, per call, whether the weight changed): quantize x into the
+workspace (``x_kind="float"``) or read the packed / int8 operand in place;
+``torch._int_mm(q_x [M, K], q_w.T)`` into the output's storage viewed as int32; then
+``_epilogue_kernel`` in place, tiles of BLOCK_M x BLOCK_N::
 
     out[m, n] = float32(acc[m, n]) * x_scale[m] * w_scale[n] + float32(bias[n])
 
@@ -40,6 +41,8 @@ first guesses.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -48,13 +51,14 @@ import fxbackend
 from fxbackend import TensorMeta
 from fxbackend.cuda_kernels.rope import DTYPES, _cdiv, _launch_on, _next_pow2, _warmup_on, \
     lazy_kernel
-from fxbackend.patterns.int8 import (quantize_node_why_not, REGULAR_HADAMARD_GROUPS, WeightState, check_linear,
-                                     hadamard_stages, linear_node_operands, linear_srcs,
-                                     packed_nbytes, padded_rows, unpack)
+from fxbackend.patterns.int8 import (REGULAR_HADAMARD_GROUPS, Int8Device, LinearKernel,
+                                     QuantizeKernel, check_linear, hadamard_stages,
+                                     linear_node_why_not, packed_nbytes, quantize_packed,
+                                     run_linear, scales_why_not)
 
 __all__ = ["quantize_i8_convrot_triton", "quantize_rows_triton", "epilogue_triton",
-           "linear_i8_triton", "linear_why_not", "QuantizeI8ConvRotCUDA", "LinearI8CUDA",
-           "LinearI8FloatWeightCUDA", "MAX_BLOCK", "MAX_DIM"]
+           "linear_i8_triton", "linear_why_not", "int_mm", "DEVICE", "quantize_kernel",
+           "linear_kernel", "float_weight_linear_kernel", "MAX_BLOCK", "MAX_DIM"]
 
 #: the widest block of a row the quantize kernel holds in registers; longer rows take two passes
 MAX_BLOCK = 4096
@@ -195,10 +199,12 @@ def quantize_rows_triton(x: torch.Tensor, group: int, q: torch.Tensor, scales: t
                     enable_fp_fusion=False))
 
 
-def _quantize_packed(x, group, packed, m, k, block=None) -> None:
-    mp = padded_rows(m)
-    scales = packed[mp * k: mp * k + 4 * mp].view(torch.float32)
-    quantize_rows_triton(x, group, packed[:mp * k], scales, m, mp, block)
+def _device(block: int | None) -> Int8Device:
+    """:data:`DEVICE`, or (tests) one whose quantize kernel takes ``block`` features a step."""
+    if block is None:
+        return DEVICE
+    return dataclasses.replace(DEVICE, quantize_rows=functools.partial(quantize_rows_triton,
+                                                                       block=block))
 
 
 def quantize_i8_convrot_triton(x: torch.Tensor, group: int = 1, out: torch.Tensor | None = None,
@@ -222,7 +228,7 @@ def quantize_i8_convrot_triton(x: torch.Tensor, group: int = 1, out: torch.Tenso
         raise ValueError(f"quantize_i8_convrot_triton: out must be a contiguous 1-D int8 "
                          f"tensor of {nb} bytes on {x.device} at a storage offset divisible "
                          f"by 4")
-    _quantize_packed(x, group, out, m, k, block)
+    quantize_packed(_device(block), x, group, out, m, k)
     return out
 
 
@@ -242,28 +248,14 @@ def epilogue_triton(acc: torch.Tensor, out: torch.Tensor, xs: torch.Tensor, ws: 
                     num_warps=4, enable_fp_fusion=False))
 
 
-def _linear(x_kind, group, M, K, N, x, x_scale, qw, ws, bias, out, workspace,
-            block=None) -> None:
-    """Quantize (x_kind float), ``torch._int_mm`` into ``out`` viewed as int32, epilogue."""
-    if M == 0:
-        return
-    if x_kind == "float":
-        nb = packed_nbytes(M, K)
-        buf = (workspace[:nb].view(torch.int8) if workspace is not None and
-               workspace.numel() >= nb else torch.empty(nb, dtype=torch.int8, device=x.device))
-        _quantize_packed(x, group, buf, M, K, block)
-        qx, xs = unpack(buf, M, K)
-    elif x_kind == "packed":
-        qx, xs = unpack(x, M, K)
-    else:
-        qx, xs = x.view(M, K), x_scale
-    acc = out.view(torch.int32).view(M, N)
+def int_mm(qx, qw, acc) -> None:
+    """``acc = qx @ qw.T`` (int32) by ``torch._int_mm`` on the current stream of acc's device
+    (or on the CPU: the interpreter's tensors)."""
     if acc.device.type == "cuda":
-        with torch.cuda.device(acc.device):  # the current stream of out's device
+        with torch.cuda.device(acc.device):
             torch._int_mm(qx, qw.t(), out=acc)
-    else:  # the interpreter's CPU tensors
+    else:
         torch._int_mm(qx, qw.t(), out=acc)
-    epilogue_triton(acc, out, xs, ws, bias)
 
 
 def linear_i8_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
@@ -286,7 +278,8 @@ def linear_i8_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                          f"{shape}")
     if x_kind != "packed" and not x.is_contiguous():
         x = x.contiguous()
-    _linear(x_kind, group, M, K, N, x, x_scale, w, w_scale, bias, out, None, block)
+    run_linear(_device(block), x_kind, group, M, K, N, x, x_scale, w, w_scale, bias, out,
+               None)
     return out
 
 
@@ -310,195 +303,80 @@ def _why_not_quantize(x: Any, group: Any, any_device: bool = False) -> str | Non
     return None
 
 
-def _vector(t: Any, n: int) -> bool:
-    return tuple(t.shape) == (n,) and t.is_contiguous
+def _why_not_operands(s: dict, M: int, K: int, N: int, node, any_device: bool) -> str | None:
+    out = node.meta
+    metas = {k: v for k, v in s.items() if v is not None}
+    for name, t in metas.items():
+        if not isinstance(t, TensorMeta) or t.is_symbolic:
+            return f"{name} is not a concrete tensor"
+        if not any_device and (t.device.type != "cuda" or t.device != out.device):
+            return f"{name} is on {t.device}, not the output's CUDA device"
+    if M <= 16:
+        return f"M={M} rows: torch._int_mm on CUDA needs more than 16"
+    if K % 8 or N % 8:
+        return f"K={K} and N={N} must be multiples of 8 (torch._int_mm on CUDA)"
+    if max(M, N, K) > MAX_DIM:
+        return f"M={M}, N={N}, K={K}: over cuBLAS's 32-bit dimensions ({MAX_DIM})"
+    x, w = s["x"], s["w"]
+    if not x.is_contiguous or not w.is_contiguous:
+        return "x and w must be contiguous"
+    for name in ("x", "w"):
+        t = metas[name]
+        if t.dtype == torch.int8 and t.storage_offset % 16:
+            return f"int8 {name} is not 16-byte aligned in its storage (cuBLASLt)"
+    if node.params["x_kind"] == "float" and x.dtype not in DTYPES:
+        return f"x dtype {x.dtype}"
+    return scales_why_not(s, M, N, DTYPES)
 
 
 def linear_why_not(node, any_device: bool = False) -> str | None:
-    """None when :class:`LinearI8CUDA` computes the ``sd.linear_i8.v1`` ``node``, else the
+    """None when the CUDA linear kernels compute the ``sd.linear_i8.v1`` ``node``, else the
     reason.  Metadata only; never raises.  ``any_device``: skip the device check (the
     interpreter tests)."""
-    try:
-        s, M, K, N, why = linear_node_operands(node)
-        if why is not None:
-            return why
-        p = node.params
-        out = node.meta
-        metas = {k: v for k, v in s.items() if v is not None}
-        for name, t in metas.items():
-            if not isinstance(t, TensorMeta) or t.is_symbolic:
-                return f"{name} is not a concrete tensor"
-            if not any_device and (t.device.type != "cuda" or t.device != out.device):
-                return f"{name} is on {t.device}, not the output's CUDA device"
-        if M <= 16:
-            return f"M={M} rows: torch._int_mm on CUDA needs more than 16"
-        if K % 8 or N % 8:
-            return f"K={K} and N={N} must be multiples of 8 (torch._int_mm on CUDA)"
-        if max(M, N, K) > MAX_DIM:
-            return f"M={M}, N={N}, K={K}: over cuBLAS's 32-bit dimensions ({MAX_DIM})"
-        x, w = s["x"], s["w"]
-        if not x.is_contiguous or not w.is_contiguous:
-            return "x and w must be contiguous"
-        for name in ("x", "w"):
-            t = metas[name]
-            if t.dtype == torch.int8 and t.storage_offset % 16:
-                return f"int8 {name} is not 16-byte aligned in its storage (cuBLASLt)"
-        if p["x_kind"] == "float" and x.dtype not in DTYPES:
-            return f"x dtype {x.dtype}"
-        if s["w_scale"] is not None and (s["w_scale"].dtype != torch.float32 or
-                                         not _vector(s["w_scale"], N)):
-            return f"w_scale must be float32 [{N}] contiguous, got {s['w_scale'].short()}"
-        if s["x_scale"] is not None and (s["x_scale"].dtype != torch.float32 or
-                                         not _vector(s["x_scale"], M)):
-            return f"x_scale must be float32 [{M}] contiguous, got {s['x_scale'].short()}"
-        if s["bias"] is not None and (s["bias"].dtype not in DTYPES or
-                                      not _vector(s["bias"], N)):
-            return f"bias must be [{N}] contiguous, got {s['bias'].short()}"
-        return None
-    except Exception as exc:  # never raise: decline
-        return f"node not understood ({type(exc).__name__}: {exc})"
+    return linear_node_why_not(node, functools.partial(_why_not_operands,
+                                                       any_device=any_device))
 
 
 # -- registry kernels -----------------------------------------------------------------------------
-
-class QuantizeI8ConvRotCUDA:
-    """``sd.quantize_i8_convrot.v1`` on CUDA with ``_quantize_kernel``: contiguous
-    float32/bf16/fp16 x, any K divisible by the group.  Workspace: none."""
-
-    name = "quantize_i8_convrot_triton"
-    op = "sd.quantize_i8_convrot.v1"
-    priority = 10
-    #: launches only (no allocation, no host synchronisation): CUDA graphs may capture it
-    capture_safe = True
-
-    def why_not(self, node) -> str | None:
-        """None when this kernel computes ``node``, else the reason (never raises)."""
-        return quantize_node_why_not(node, _why_not_quantize)
-
-    def supports(self, node) -> bool:
-        return self.why_not(node) is None
-
-    def compile(self, node) -> None:
-        """Plan-time warm-up of the kernel for this node's dtype and block (CUDA only)."""
-        x = node.srcs[0].meta
-        k = x.shape[-1]
-        nst = hadamard_stages(node.params["group"])
-        blk = _block(k)
-        _warmup_on(x.device, _quantize, (x.dtype, torch.int8, torch.float32,
-                                         x.numel // k, k, 2.0 ** -nst),
-                   dict(NST=nst, BLOCK=blk, ONE_PASS=k <= blk,
-                        num_warps=4 if blk <= 1024 else 8, enable_fp_fusion=False,
-                        grid=(padded_rows(x.numel // k),)))
-
-    def execute(self, ctx, node, state, inputs, out, workspace) -> None:
-        x = inputs[0]
-        if not x.is_contiguous():  # other strides than planned (the Dynamo path): stay right
-            x = x.contiguous()
-        k = x.shape[-1]
-        _quantize_packed(x, node.params["group"], out, x.numel() // k, k)
-
-
-class _LinearState:
-    """Per-step state: the shapes and, for ``w_kind="float"``, the weight this step quantized
-    (a :class:`~fxbackend.patterns.int8.WeightState` on the step's device)."""
-
-    __slots__ = ("M", "K", "N", "weight")
-
-    def __init__(self, M: int, K: int, N: int, w_kind: str, device: torch.device) -> None:
-        self.M, self.K, self.N = M, K, N
-        self.weight = WeightState(N, K, device) if w_kind == "float" else None
-
 
 def _quantize_weight(w, group, w_i8, w_scale) -> None:
     n = w.shape[0]
     quantize_rows_triton(w, group, w_i8, w_scale, n, n)
 
 
-class _LinearI8CUDABase:
-    """``sd.linear_i8.v1`` on CUDA: Triton quantize (x_kind float; w_kind float into the
-    state), ``torch._int_mm`` (cuBLASLt) on the current stream, Triton epilogue (module
-    docstring), for the weight kinds ``w_kinds``.  Workspace: the packed x
-    (``packed_nbytes(M, K)`` bytes) for ``x_kind="float"``."""
-
-    op = "sd.linear_i8.v1"
-    priority = 10
-    w_kinds: tuple = ()
-
-    def why_not(self, node) -> str | None:
-        """None when this kernel computes ``node``, else the reason (never raises)."""
-        w_kind = getattr(node, "params", {}).get("w_kind")
-        if w_kind not in self.w_kinds:
-            return f"w_kind {w_kind!r} is not this kernel's ({', '.join(self.w_kinds)})"
-        return linear_why_not(node)
-
-    def supports(self, node) -> bool:
-        return self.why_not(node) is None
-
-    def compile(self, node) -> None:
-        """Plan-time warm-up (CUDA only): the quantize kernel for each float operand and the
-        epilogue, for this node's dtypes, sizes and blocks."""
-        p = node.params
-        s = linear_srcs([n.meta for n in node.srcs], p)
-        M, K, N, _ = check_linear(**s, x_kind=p["x_kind"], w_kind=p["w_kind"],
-                                  group=p["group"], m=p["m"], lead=p["lead"])
-        dev = node.meta.device
-        nst = hadamard_stages(p["group"])
-        blk = _block(K)
-        quantized = ([(s["x"], M, padded_rows(M))] if p["x_kind"] == "float" else []) + \
-            ([(s["w"], N, N)] if p["w_kind"] == "float" else [])
-        for t, rows, grid_rows in quantized:
-            _warmup_on(dev, _quantize, (t.dtype, torch.int8, torch.float32, rows, K, 2.0 ** -nst),
-                       dict(NST=nst, BLOCK=blk, ONE_PASS=K <= blk,
-                            num_warps=4 if blk <= 1024 else 8, enable_fp_fusion=False,
-                            grid=(grid_rows,)))
-        b = s["bias"]
-        _warmup_on(dev, _epilogue, (torch.int32, torch.float32, torch.float32, torch.float32,
-                                    torch.int32 if b is None else b.dtype, M, N),
-                   dict(HAS_BIAS=b is not None, BLOCK_M=EPI_BLOCK_M, BLOCK_N=EPI_BLOCK_N,
-                        num_warps=4, enable_fp_fusion=False,
-                        grid=(_cdiv(M, EPI_BLOCK_M), _cdiv(N, EPI_BLOCK_N))))
-
-    def prepare(self, node) -> tuple:
-        p = node.params
-        s = linear_srcs([n.meta for n in node.srcs], p)
-        M, K, N, _ = check_linear(**s, x_kind=p["x_kind"], w_kind=p["w_kind"],
-                                  group=p["group"], m=p["m"], lead=p["lead"])
-        ws = packed_nbytes(M, K) if p["x_kind"] == "float" else 0
-        return _LinearState(M, K, N, p["w_kind"], node.meta.device), ws
-
-    def execute(self, ctx, node, state, inputs, out, workspace) -> None:
-        p = node.params
-        s = linear_srcs(inputs, p)
-        x = s["x"]
-        if not x.is_contiguous():  # other strides than planned (the Dynamo path): stay right
-            x = x.contiguous()
-        if p["w_kind"] == "float":
-            qw, ws = state.weight.get(s["w"], p["group"], _quantize_weight)
-        else:
-            qw, ws = s["w"], s["w_scale"]
-        _linear(p["x_kind"], p["group"], state.M, state.K, state.N, x, s["x_scale"], qw, ws,
-                s["bias"], out, workspace)
+def _compile_quantize(x, m, mp, group, device) -> None:
+    """Plan-time warm-up of the quantize kernel for ``m`` rows of x (a grid of ``mp``)."""
+    k = x.shape[-1]
+    nst = hadamard_stages(group)
+    blk = _block(k)
+    _warmup_on(device, _quantize, (x.dtype, torch.int8, torch.float32, m, k, 2.0 ** -nst),
+               dict(NST=nst, BLOCK=blk, ONE_PASS=k <= blk, num_warps=4 if blk <= 1024 else 8,
+                    enable_fp_fusion=False, grid=(mp,)))
 
 
-class LinearI8CUDA(_LinearI8CUDABase):
-    """``sd.linear_i8.v1 {w_kind="int8"}`` on CUDA (see :class:`_LinearI8CUDABase`)."""
-
-    name = "linear_i8_triton"
-    w_kinds = ("int8",)
-    #: launches only (no allocation, no host synchronisation): CUDA graphs may capture it
-    capture_safe = True
-
-
-class LinearI8FloatWeightCUDA(_LinearI8CUDABase):
-    """``sd.linear_i8.v1 {w_kind="float"}`` on CUDA (see :class:`_LinearI8CUDABase`).  Not
-    capture-safe: whether the weight changed is decided on the host at every call (its address
-    and version counter), which a captured CUDA graph would not repeat, and the first call
-    allocates the quantized weight."""
-
-    name = "linear_i8_triton_float_weight"
-    w_kinds = ("float",)
+def _compile_epilogue(m, n, bias_dtype, out_dtype, device) -> None:
+    _warmup_on(device, _epilogue, (torch.int32, out_dtype, torch.float32, torch.float32,
+                                   torch.int32 if bias_dtype is None else bias_dtype, m, n),
+               dict(HAS_BIAS=bias_dtype is not None, BLOCK_M=EPI_BLOCK_M, BLOCK_N=EPI_BLOCK_N,
+                    num_warps=4, enable_fp_fusion=False,
+                    grid=(_cdiv(m, EPI_BLOCK_M), _cdiv(n, EPI_BLOCK_N))))
 
 
-fxbackend.register_kernel("cuda", QuantizeI8ConvRotCUDA)
-fxbackend.register_kernel("cuda", LinearI8CUDA)
-fxbackend.register_kernel("cuda", LinearI8FloatWeightCUDA)
+#: CUDA's INT8 building blocks (``patterns/int8.Int8Device``): the registry kernels below and
+#: the fused steps of ``cuda_kernels/int8_fusions.py``
+DEVICE = Int8Device(quantize_rows=quantize_rows_triton, gemm=int_mm, epilogue=epilogue_triton,
+                    why_not_quantize=_why_not_quantize, why_not_linear=linear_why_not,
+                    compile_quantize=_compile_quantize, compile_epilogue=_compile_epilogue,
+                    quantize_weight=_quantize_weight)
+#: ``sd.quantize_i8_convrot.v1``; launches only (no allocation, no host synchronisation): CUDA
+#: graphs may capture it
+quantize_kernel = fxbackend.register_kernel(
+    "cuda", QuantizeKernel(DEVICE, "quantize_i8_convrot_triton", priority=10, capture_safe=True))
+#: ``sd.linear_i8.v1 {w_kind="int8"}``, capture-safe
+linear_kernel = fxbackend.register_kernel(
+    "cuda", LinearKernel(DEVICE, "linear_i8_triton", ("int8",), priority=10, capture_safe=True))
+#: ``sd.linear_i8.v1 {w_kind="float"}``.  Not capture-safe: whether the weight changed is decided
+#: on the host at every call (its weight key), which a captured CUDA graph would not repeat, and
+#: the first call allocates the quantized weight
+float_weight_linear_kernel = fxbackend.register_kernel(
+    "cuda", LinearKernel(DEVICE, "linear_i8_triton_float_weight", ("float",), priority=10))

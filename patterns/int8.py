@@ -109,6 +109,7 @@ Kernels: ``cpu_kernels/int8.py`` (numba + ``torch._int_mm``), ``cuda_kernels/int
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from typing import Any, Callable, Optional, Sequence
@@ -123,8 +124,10 @@ __all__ = ["REGULAR_HADAMARD_GROUPS", "MAX_K", "QMAX", "X_KINDS", "W_KINDS", "ha
            "hadamard_stages", "rotate_reference", "quantize_rows_reference", "packed_nbytes",
            "padded_rows", "pack", "unpack", "quantize_i8_convrot_reference",
            "quantize_weight_i8_reference", "int_dot", "linear_i8_reference", "check_linear",
-           "linear_node_operands",
-           "linear_srcs", "WeightState", "QuantizeI8ConvRot", "LinearI8", "Int8LibraryOps",
+           "linear_node_operands", "linear_srcs", "linear_node_why_not", "scales_why_not",
+           "WeightState", "FLOATS", "Int8Device", "QuantizeKernel", "LinearKernel",
+           "quantize_packed", "x_operand", "run_linear", "float_operands",
+           "compile_quantized_operands", "QuantizeI8ConvRot", "LinearI8", "Int8LibraryOps",
            "quantize_i8_convrot", "linear_i8"]
 
 #: the orders of the normalised regular Hadamard matrices (4^k, k = 0..4); 1 = no rotation
@@ -135,7 +138,8 @@ MAX_K = (2 ** 31 - 1) // (128 * 128)
 QMAX = 127
 X_KINDS = ("float", "packed", "int8")
 W_KINDS = ("int8", "float")
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+#: the float dtypes the ops and kernels take (x to quantize, float weights, scales, bias)
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _H4 = ((1, 1, 1, -1), (1, 1, -1, 1), (1, -1, 1, 1), (-1, 1, 1, 1))
 
 
@@ -171,7 +175,7 @@ def rotate_reference(x: torch.Tensor, group: int) -> torch.Tensor:
     float32 with the butterfly order of the module docstring (the kernels' order: bit-exact).
     Returns a new float32 tensor of x's shape."""
     k = hadamard_stages(group)
-    if x.dtype not in _FLOATS:
+    if x.dtype not in FLOATS:
         raise ValueError(f"rotate_reference: x must be float32, bfloat16 or float16, got "
                          f"{x.dtype}")
     if x.dim() == 0 or x.shape[-1] % group:
@@ -393,7 +397,7 @@ def _numel(t: Any) -> Any:
 
 def _check_quantize_x(x: Any, group: Any, who: str) -> None:
     hadamard_stages(group)
-    if x.dtype not in _FLOATS:
+    if x.dtype not in FLOATS:
         raise ValueError(f"{who}: x must be float32, bfloat16 or float16 (it is quantized), got "
                          f"{x.dtype}")
     if len(_shape(x)) == 0 or x.shape[-1] == 0:
@@ -420,7 +424,7 @@ def check_linear(x: Any, w: Any, w_scale: Any, x_scale: Any, bias: Any, *, x_kin
     N, K = w.shape
     if w_kind == "int8" and w.dtype != torch.int8:
         raise ValueError(f"{who}: w_kind='int8' needs an int8 w, got {w.dtype}")
-    if w_kind == "float" and w.dtype not in _FLOATS:
+    if w_kind == "float" and w.dtype not in FLOATS:
         raise ValueError(f"{who}: w_kind='float' needs a float32, bfloat16 or float16 w, got "
                          f"{w.dtype}")
     if K == 0 or K % group:
@@ -446,7 +450,7 @@ def check_linear(x: Any, w: Any, w_scale: Any, x_scale: Any, bias: Any, *, x_kin
         M, lead_out = m, lead_attr
     else:
         want = "a float32, bfloat16 or float16" if x_kind == "float" else "an int8"
-        if (x_kind == "float" and x.dtype not in _FLOATS) or \
+        if (x_kind == "float" and x.dtype not in FLOATS) or \
                 (x_kind == "int8" and x.dtype != torch.int8):
             raise ValueError(f"{who}: x_kind={x_kind!r} needs {want} x, got {x.dtype}")
         if len(_shape(x)) == 0 or x.shape[-1] != K:
@@ -467,7 +471,7 @@ def check_linear(x: Any, w: Any, w_scale: Any, x_scale: Any, bias: Any, *, x_kin
         if not needed and t is not None:
             raise ValueError(f"{who}: {name} is a source only with {why}")
         if t is not None:
-            if t.dtype not in _FLOATS:
+            if t.dtype not in FLOATS:
                 raise ValueError(f"{who}: {name} must be float32 (or bfloat16/float16), got "
                                  f"{t.dtype}")
             if _numel(t) != n:
@@ -475,7 +479,7 @@ def check_linear(x: Any, w: Any, w_scale: Any, x_scale: Any, bias: Any, *, x_kin
                                  f"{'output channel' if name == 'w_scale' else 'row of x'}), "
                                  f"got shape {_shape(t)}")
     if bias is not None:
-        if bias.dtype not in _FLOATS:
+        if bias.dtype not in FLOATS:
             raise ValueError(f"{who}: bias must be float32, bfloat16 or float16, got "
                              f"{bias.dtype}")
         if _numel(bias) != N:
@@ -515,6 +519,36 @@ def linear_node_operands(node) -> tuple[dict, int, int, int, str | None]:
         tuple(out.shape) == tuple(lead) + (N,) and out.is_contiguous
     return s, M, K, N, None if ok else "output metadata"
 
+
+
+def linear_node_why_not(node, why_not_operands: Callable[..., "str | None"]) -> str | None:
+    """Why a kernel does not compute the ``sd.linear_i8.v1`` node ``node``, or None:
+    :func:`linear_node_operands` (its checks and the output's metadata), then
+    ``why_not_operands(s, M, K, N, node)`` (the kernel's own conditions on the operand metadata
+    ``s`` by name).  Never raises."""
+    try:
+        s, M, K, N, why = linear_node_operands(node)
+        return why if why is not None else why_not_operands(s, M, K, N, node)
+    except Exception as exc:  # never raise: decline
+        return f"node not understood ({type(exc).__name__}: {exc})"
+
+
+def _is_vector(t: Any, n: int) -> bool:
+    return isinstance(t, TensorMeta) and tuple(t.shape) == (n,) and t.is_contiguous
+
+
+def scales_why_not(s: dict, M: int, N: int, bias_dtypes: tuple = FLOATS) -> str | None:
+    """What every linear kernel asks of the scales and the bias (operand metadata ``s`` by
+    name): float32 1-D contiguous ``w_scale [N]`` / ``x_scale [M]``, a 1-D contiguous bias
+    ``[N]`` of ``bias_dtypes``."""
+    for name, n in (("w_scale", N), ("x_scale", M)):
+        t = s[name]
+        if t is not None and (t.dtype != torch.float32 or not _is_vector(t, n)):
+            return f"{name} must be float32 [{n}] contiguous, got {t.short()}"
+    b = s["bias"]
+    if b is not None and (b.dtype not in bias_dtypes or not _is_vector(b, N)):
+        return f"bias must be [{N}] contiguous, got {b.short()}"
+    return None
 
 # -- the ops ------------------------------------------------------------------------------------
 
@@ -587,6 +621,202 @@ class LinearI8:
         return {"x_kind": data["x_kind"], "w_kind": data["w_kind"], "group": data["group"],
                 "m": data["m"], "lead": tuple(lead), "has_bias": data["has_bias"]}
 
+
+
+# -- the registry kernels of one device: the skeleton the CPU and CUDA kernels share -------------
+
+@dataclasses.dataclass
+class Int8Device:
+    """One device's INT8 building blocks (``cpu_kernels/int8.py``, ``cuda_kernels/int8.py``).
+    :class:`QuantizeKernel` and :class:`LinearKernel` make the registry kernels of both ops from
+    them, and ``patterns/int8_fusions.py`` every fused step that runs a linear, so the phases,
+    the workspace layout, the weight state and the strides fix-up are written once.  The
+    functions check nothing (the ``why_not_*`` do, and never raise)."""
+
+    #: ``(x, group, q, scales, m, mp)``: the ``m`` rows of the contiguous float x (``[..., K]``)
+    #: into ``q`` (int8, ``mp * K``) and ``scales`` (float32, ``mp``; rows ``m .. mp-1`` zeros
+    #: and 0.0)
+    quantize_rows: Callable
+    #: ``(qx, qw, acc)``: ``acc = qx @ qw.T`` in int32 (``torch._int_mm`` on the device's
+    #: current stream)
+    gemm: Callable
+    #: ``(acc, out, xs, ws, bias)``: linear_i8's epilogue of the int32 ``[M, N]`` acc into out
+    #: (M * N contiguous elements, float32, possibly acc's own storage, or 16-bit)
+    epilogue: Callable
+    #: ``(x meta, group) -> reason | None``: the quantize kernel's conditions on x
+    why_not_quantize: Callable
+    #: ``(node) -> reason | None``: the linear kernels' conditions on an ``sd.linear_i8.v1`` node
+    why_not_linear: Callable
+    #: ``(x meta, m, mp, group, device)``: plan-time compile (or warm-up) of the quantize kernel
+    #: for ``m`` rows of x written as ``mp``
+    compile_quantize: Callable
+    #: ``(m, n, bias dtype or None, out dtype, device)``: the same for the epilogue
+    compile_epilogue: Callable
+    #: ``(w, group, w_i8, w_scale)``: a float weight ``[N, K]`` into its int8 rows and scales
+    #: (``WeightState``'s quantizer: the held value is shared by the steps quantizing with the
+    #: same function, so each device names its own)
+    quantize_weight: Callable
+    #: ``()``, called between the phases of a step (after the operands are quantized, after
+    #: the GEMM): the CPU's raises ``services.Cancelled`` when the running plan was cancelled
+    between: Callable = lambda: None
+
+
+def quantize_packed(dev: Int8Device, x, group: int, packed, m: int, k: int) -> None:
+    """The ``m`` rows of the contiguous x into the packed layout ``packed`` (module docstring)."""
+    mp = padded_rows(m)
+    dev.quantize_rows(x, group, packed[:mp * k], packed[mp * k:mp * k + 4 * mp].view(torch.float32),
+                      m, mp)
+
+
+def x_operand(dev: Int8Device, x_kind: str, group: int, M: int, K: int, x, x_scale,
+              buf) -> tuple:
+    """``(q_x [M, K], x_scale [M])`` of a linear's x: quantized into ``buf`` (``x_kind="float"``:
+    :func:`packed_nbytes` bytes of int8) or read in place (packed, int8)."""
+    if x_kind == "float":
+        quantize_packed(dev, x, group, buf, M, K)
+        return unpack(buf, M, K)
+    if x_kind == "packed":
+        return unpack(x, M, K)
+    return x.view(M, K), x_scale
+
+
+def run_linear(dev: Int8Device, x_kind: str, group: int, M: int, K: int, N: int, x, x_scale,
+               qw, ws, bias, out, workspace) -> None:
+    """``sd.linear_i8.v1`` into ``out`` (float32, contiguous, M * N elements) with an int8
+    weight ``qw``/``ws``: x quantized into the workspace (``x_kind="float"``; a temporary where
+    the workspace is missing or short) or read in place, the GEMM into out's own storage viewed
+    as int32, then the epilogue in place."""
+    if M == 0:
+        return
+    buf = None
+    if x_kind == "float":
+        nb = packed_nbytes(M, K)
+        buf = (workspace[:nb].view(torch.int8) if workspace is not None and
+               workspace.numel() >= nb else torch.empty(nb, dtype=torch.int8, device=x.device))
+    qx, xs = x_operand(dev, x_kind, group, M, K, x, x_scale, buf)
+    dev.between()
+    acc = out.view(torch.int32).view(M, N)
+    dev.gemm(qx, qw, acc)
+    dev.between()
+    dev.epilogue(acc, out, xs, ws, bias)
+
+
+def float_operands(node, s: dict, M: int, N: int) -> list:
+    """``[(metadata, rows, padded rows)]`` of the float operands an ``sd.linear_i8.v1`` step
+    quantizes (x into the packed layout, a float weight into its state)."""
+    p = node.params
+    return ([(s["x"], M, padded_rows(M))] if p["x_kind"] == "float" else []) + \
+        ([(s["w"], N, N)] if p["w_kind"] == "float" else [])
+
+
+def compile_quantized_operands(dev: Int8Device, node) -> tuple:
+    """Plan time: compile the quantize kernel for the float operands of the ``sd.linear_i8.v1``
+    node; returns ``(operand metadata by name, M, K, N)``."""
+    p = node.params
+    s = linear_srcs([n.meta for n in node.srcs], p)
+    M, K, N, _ = check_linear(**s, x_kind=p["x_kind"], w_kind=p["w_kind"], group=p["group"],
+                              m=p["m"], lead=p["lead"])
+    for t, rows, mp in float_operands(node, s, M, N):
+        dev.compile_quantize(t, rows, mp, p["group"], node.meta.device)
+    return s, M, K, N
+
+
+class QuantizeKernel:
+    """The registry kernel of ``sd.quantize_i8_convrot.v1`` on one device (``dev``): contiguous
+    float32/bf16/fp16 x, any K divisible by the group (``dev.why_not_quantize``).  Workspace:
+    none."""
+
+    op = "sd.quantize_i8_convrot.v1"
+
+    def __init__(self, dev: Int8Device, name: str, priority: int = 0,
+                 capture_safe: bool | None = None) -> None:
+        self.dev, self.name, self.priority = dev, name, priority
+        #: None: not declared (``fxbackend.cudagraphs``)
+        self.capture_safe = capture_safe
+
+    def why_not(self, node) -> str | None:
+        """None when this kernel computes ``node``, else the reason (never raises)."""
+        return quantize_node_why_not(node, self.dev.why_not_quantize)
+
+    def supports(self, node) -> bool:
+        return self.why_not(node) is None
+
+    def compile(self, node) -> None:
+        x = node.srcs[0].meta
+        m = x.numel // x.shape[-1]
+        self.dev.compile_quantize(x, m, padded_rows(m), node.params["group"], x.device)
+
+    def execute(self, ctx, node, state, inputs, out, workspace) -> None:
+        x = inputs[0]
+        if not x.is_contiguous():  # other strides than planned (the Dynamo path): stay right
+            x = x.contiguous()
+        k = x.shape[-1]
+        quantize_packed(self.dev, x, node.params["group"], out, x.numel() // k, k)
+
+
+class _LinearState:
+    """Per-step state: the shapes, and for ``w_kind="float"`` the weight this step quantized
+    (``weight``: a :class:`WeightState` on the step's device)."""
+
+    __slots__ = ("M", "K", "N", "weight")
+
+    def __init__(self, M: int, K: int, N: int, w_kind: str, device: torch.device) -> None:
+        self.M, self.K, self.N = M, K, N
+        self.weight = WeightState(N, K, device) if w_kind == "float" else None
+
+
+class LinearKernel:
+    """The registry kernel of ``sd.linear_i8.v1`` on one device (``dev``), for the weight kinds
+    ``w_kinds`` (None: both): x quantized into the workspace (``x_kind="float"``), a float
+    weight quantized into the step's state (:class:`WeightState`), the GEMM, the epilogue
+    (:func:`run_linear`).  Workspace: the packed x (``packed_nbytes(M, K)`` bytes) for
+    ``x_kind="float"``, else none."""
+
+    op = "sd.linear_i8.v1"
+
+    def __init__(self, dev: Int8Device, name: str, w_kinds: tuple | None = None,
+                 priority: int = 0, capture_safe: bool | None = None) -> None:
+        self.dev, self.name, self.w_kinds, self.priority = dev, name, w_kinds, priority
+        #: None: not declared (``fxbackend.cudagraphs``)
+        self.capture_safe = capture_safe
+
+    def why_not(self, node) -> str | None:
+        """None when this kernel computes ``node``, else the reason (never raises)."""
+        if self.w_kinds is not None:
+            w_kind = getattr(node, "params", {}).get("w_kind")
+            if w_kind not in self.w_kinds:
+                return f"w_kind {w_kind!r} is not this kernel's ({', '.join(self.w_kinds)})"
+        return self.dev.why_not_linear(node)
+
+    def supports(self, node) -> bool:
+        return self.why_not(node) is None
+
+    def compile(self, node) -> None:
+        s, M, K, N = compile_quantized_operands(self.dev, node)
+        self.dev.compile_epilogue(M, N, None if s["bias"] is None else s["bias"].dtype,
+                                  torch.float32, node.meta.device)
+
+    def prepare(self, node) -> tuple:
+        p = node.params
+        s = linear_srcs([n.meta for n in node.srcs], p)
+        M, K, N, _ = check_linear(**s, x_kind=p["x_kind"], w_kind=p["w_kind"],
+                                  group=p["group"], m=p["m"], lead=p["lead"])
+        ws = packed_nbytes(M, K) if p["x_kind"] == "float" else 0
+        return _LinearState(M, K, N, p["w_kind"], node.meta.device), ws
+
+    def execute(self, ctx, node, state, inputs, out, workspace) -> None:
+        p = node.params
+        s = linear_srcs(inputs, p)
+        x = s["x"]
+        if not x.is_contiguous():  # other strides than planned (the Dynamo path): stay right
+            x = x.contiguous()
+        if p["w_kind"] == "float":
+            qw, ws = state.weight.get(s["w"], p["group"], self.dev.quantize_weight)
+            self.dev.between()
+        else:
+            qw, ws = s["w"], s["w_scale"]
+        run_linear(self.dev, p["x_kind"], p["group"], state.M, state.K, state.N, x,
+                   s["x_scale"], qw, ws, s["bias"], out, workspace)
 
 # -- torch.library twins and their rewrite -------------------------------------------------------
 

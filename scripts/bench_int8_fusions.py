@@ -174,6 +174,7 @@ def _lactq_setup(cfg, args, g) -> dict:
     """linear_i8 -> GELU(tanh) -> quantize: one step vs the two fused steps it replaces."""
     from fxbackend.cpu_kernels import int8 as i8
     from fxbackend.cpu_kernels import int8_fusions as f
+    from fxbackend.patterns.int8 import run_linear
     _, k, n, act, _ = cfg
     m, x, w, b, wq, ws, qx, xs = _linear_operands(k, n, args, g)
     acc = torch.empty(m, n, dtype=torch.int32)
@@ -189,7 +190,7 @@ def _lactq_setup(cfg, args, g) -> dict:
         return q_f
 
     def unfused():  # sd.linear_i8.v1 (int8 x), then fused.act_quantize
-        i8._linear("int8", args.group, m, k, n, qx, xs, wq, ws, b, y, None)
+        run_linear(i8.DEVICE, "int8", args.group, m, k, n, qx, xs, wq, ws, b, y, None)
         return f.act_quantize_cpu(y, None, q_u, act=act, group=args.group)
 
     def eager():

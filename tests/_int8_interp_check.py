@@ -12,8 +12,8 @@ stdin: a JSON list of cases, each with ``"id"`` and ``"kind"``:
   take the two-pass path; ``special``: rows of zeros, of values whose amax / 127 underflows,
   of subnormals and of huge values), bit-equal to ``quantize_i8_convrot_reference``;
 - ``{"kind": "linear", "m", "k", "n", "group", "x_kind", "w_kind", "bias", "dtype",
-  "supported"}``: the registry kernel for the weight kind (``LinearI8CUDA`` for int8,
-  ``LinearI8FloatWeightCUDA`` for float) through ``prepare``/``execute`` on a node built with
+  "supported"}``: the registry kernel for the weight kind (``linear_kernel`` for int8,
+  ``float_weight_linear_kernel`` for float) through ``prepare``/``execute`` on a node built with
   ``op_create`` (``linear_why_not`` with the device check off accepts it exactly when
   ``supported``: small shapes that ``torch._int_mm`` on CUDA rejects are declined, yet run here
   to test the Triton phases; the workspace is what ``prepare`` asks for), bit-equal to
@@ -122,10 +122,10 @@ def _execute(kernel, node, state, ws_bytes, srcs, torch):
 
 
 def _kernel_for(w_kind: str):
-    """The registry kernel for the weight kind: ``LinearI8CUDA`` (int8) or
-    ``LinearI8FloatWeightCUDA`` (float)."""
-    from fxbackend.cuda_kernels.int8 import LinearI8CUDA, LinearI8FloatWeightCUDA
-    return LinearI8CUDA() if w_kind == "int8" else LinearI8FloatWeightCUDA()
+    """The registry kernel for the weight kind: ``linear_kernel`` (int8) or
+    ``float_weight_linear_kernel`` (float)."""
+    from fxbackend.cuda_kernels.int8 import float_weight_linear_kernel, linear_kernel
+    return linear_kernel if w_kind == "int8" else float_weight_linear_kernel
 
 
 def run_linear(case: dict) -> dict:

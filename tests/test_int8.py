@@ -391,12 +391,12 @@ def test_w8a8_output_is_close_to_the_float_linear():
 class _CountQuantizations:
     def __init__(self, monkeypatch):
         self.calls = 0
-        real = cpu_int8._quantize_weight
+        real = cpu_int8.DEVICE.quantize_weight
 
         def counting(*args):
             self.calls += 1
             real(*args)
-        monkeypatch.setattr(cpu_int8, "_quantize_weight", counting)
+        monkeypatch.setattr(cpu_int8.DEVICE, "quantize_weight", counting)
 
 
 def test_float_weight_is_quantized_once_and_again_after_an_in_place_change(monkeypatch):
@@ -445,8 +445,8 @@ def test_inference_tensor_weights_are_quantized_once_and_again_when_changed(monk
 
 def _declined(srcs, attrs, reason):
     g, node = _graph(LINEAR, srcs, attrs)
-    assert cpu_int8.LinearI8CPU().why_not(node) is not None
-    assert reason in cpu_int8.LinearI8CPU().why_not(node)
+    assert cpu_int8.linear_kernel.why_not(node) is not None
+    assert reason in cpu_int8.linear_kernel.why_not(node)
     fxbackend.reset_stats()
     (out,) = compiled(g)(*srcs)
     assert dict(fxbackend.stats()["steps_by_kernel"]) == {"native": 1}
@@ -480,7 +480,7 @@ def test_cpu_linear_declines_malformed_scales_and_layouts(case):
 
 
 def test_supports_never_raises():
-    k = cpu_int8.LinearI8CPU()
+    k = cpu_int8.linear_kernel
     gen = torch.Generator().manual_seed(1)
     srcs, attrs = _linear_case("float", "int8", False, 4, 8, 4, 4, gen)
     _, node = _graph(LINEAR, srcs, attrs)
@@ -493,7 +493,7 @@ def test_supports_never_raises():
     for srcs_ in ([], node.srcs[:1], [object(), object(), object()]):
         node.srcs = srcs_
         assert k.supports(node) is False
-        assert cpu_int8.QuantizeI8ConvRotCPU().supports(node) is False
+        assert cpu_int8.quantize_kernel.supports(node) is False
 
 
 def test_strides_other_than_planned_are_read_correctly():
@@ -514,18 +514,18 @@ def test_cancelling_between_quantize_and_gemm(monkeypatch):
     g, _ = _graph(LINEAR, srcs, attrs)
     cg = compiled(g)
     plan = cg.plan_for(srcs)
-    real_quantize, gemms = cpu_int8._quantize_packed, []
+    real_quantize, gemms = cpu_int8.DEVICE.quantize_rows, []
 
     def quantize_then_cancel(*args):
         real_quantize(*args)
         plan.cancel()  # as another thread would, while the step quantizes
-    monkeypatch.setattr(cpu_int8, "_quantize_packed", quantize_then_cancel)
+    monkeypatch.setattr(cpu_int8.DEVICE, "quantize_rows", quantize_then_cancel)
     real_mm = torch._int_mm
     monkeypatch.setattr(torch, "_int_mm", lambda *a, **k: gemms.append(1) or real_mm(*a, **k))
     with pytest.raises(services.Cancelled, match="cancelled"):
         cg(*srcs)
     assert gemms == [], "the GEMM must not start after a cancellation"
-    monkeypatch.setattr(cpu_int8, "_quantize_packed", real_quantize)
+    monkeypatch.setattr(cpu_int8.DEVICE, "quantize_rows", real_quantize)
     (out,) = cg(*srcs)  # a cancellation ends that call only
     assert gemms == [1] and torch.equal(out, _reference(srcs, attrs))
 
@@ -706,10 +706,10 @@ def test_cuda_linear_supports_on_metadata(m, k, n, reason):
     node = _cuda_node(m, k, n)
     why = cuda_int8.linear_why_not(node)
     assert why == reason if reason is None else why.startswith(reason)
-    assert cuda_int8.LinearI8CUDA().supports(node) is (reason is None)
-    assert cuda_int8.LinearI8FloatWeightCUDA().supports(node) is False  # an int8 weight
-    assert cuda_int8.LinearI8CUDA.capture_safe
-    assert not getattr(cuda_int8.LinearI8FloatWeightCUDA, "capture_safe", False)
+    assert cuda_int8.linear_kernel.supports(node) is (reason is None)
+    assert cuda_int8.float_weight_linear_kernel.supports(node) is False  # an int8 weight
+    assert cuda_int8.linear_kernel.capture_safe
+    assert not cuda_int8.float_weight_linear_kernel.capture_safe
 
 
 def test_cuda_linear_declines_malformed_scales_and_cpu_tensors():
