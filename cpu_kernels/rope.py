@@ -14,6 +14,12 @@ bit for bit.  Sources: Su et al., "RoFormer" (arXiv 2104.09864), section 3.4.2; 
 ``apply_rotary_emb`` (``models/embeddings.py``); the bf16/fp16 conversions follow c10's
 ``BFloat16.h`` (round to nearest even) and F. Giesen's ``float_to_half_fast3_rtne``.
 
+``sd.rope_apply_f64.v1`` is the same kernel given float64 ``cos``/``sin``: each product of a
+float32 value of x (exact in float64) and a float64 table value is float64, and so are the
+difference and the sum, as in the complex128 product ``(ac - bd) + i(ad + bc)`` Lumina 2's
+eager computes; the store rounds the float64 result to float32 and then, for bf16/fp16, to the
+16-bit type, which is how torch converts a float64 tensor to them (c10 goes through float).
+
 Layout.  ``x``, ``cos`` and ``sin`` reach the kernel as flat 1-D arrays over the storage their
 elements span, and every row finds its offsets from two tiny tables of x's leading dims (size
 and element strides; a broadcast dim has stride 0): ``offset = sum_j idx_j * stride_j``.  So
@@ -64,6 +70,8 @@ __all__ = ["RopeApplyCPU", "rope_apply_cpu", "numba_cache_dir", "compile_kernels
 _MODES = ("interleaved", "split_half")
 # numpy element type the kernel sees for each torch dtype (bits for the 16-bit floats)
 _NP_OF = {torch.float32: np.float32, torch.bfloat16: np.int16, torch.float16: np.uint16}
+#: and for cos/sin, which are float64 for ``sd.rope_apply_f64.v1``
+_NP_TABLE = {**_NP_OF, torch.float64: np.float64}
 _BITS_OF = {torch.bfloat16: torch.int16, torch.float16: torch.uint16}
 
 
@@ -99,7 +107,7 @@ def _register_helpers(numba) -> None:
     @overload(_load)
     def _load_impl(a, i):
         dt = a.dtype
-        if dt == types.float32:
+        if dt in (types.float32, types.float64):  # float64: sd.rope_apply_f64.v1's tables
             return lambda a, i: a[i]
         if dt == types.int16:
             return lambda a, i: _bf16_to_f32(a[i])
@@ -194,7 +202,8 @@ def _set_threads() -> int:
 # -- element conversions (jitted; float32 maths) --------------------------------------------------
 
 def _load(a, i):
-    """``a[i]`` as float32 (float32, bf16 bits as int16, fp16 bits as uint16): jit only."""
+    """``a[i]`` as float32 (float32, bf16 bits as int16, fp16 bits as uint16), or float64 for a
+    float64 array: jit only."""
     raise NotImplementedError("_load is a numba helper: call it from a jitted kernel")
 
 
@@ -528,8 +537,11 @@ def _why_not_metas(metas: tuple) -> str | None:
     return None
 
 
-def _why_not(x_meta: Any, cos_meta: Any, sin_meta: Any, mode: Any, n_rot: Any) -> str | None:
-    """None when the kernel computes the node correctly, else the reason (metadata only)."""
+def _why_not(x_meta: Any, cos_meta: Any, sin_meta: Any, mode: Any, n_rot: Any,
+             f64: bool = False) -> str | None:
+    """None when the kernel computes the node correctly, else the reason (metadata only);
+    ``f64``: the node is ``sd.rope_apply_f64.v1``, whose float64 maths need float64 tables (and
+    float64 tables would give any other op float64 maths)."""
     if mode not in _MODES or type(n_rot) is not int:
         return f"mode {mode!r} / n_rot {n_rot!r}"
     metas = (x_meta, cos_meta, sin_meta)
@@ -540,7 +552,9 @@ def _why_not(x_meta: Any, cos_meta: Any, sin_meta: Any, mode: Any, n_rot: Any) -
     if x_meta.dtype not in _NP_OF:
         return f"x dtype {x_meta.dtype}"
     for m in (cos_meta, sin_meta):
-        if m.dtype not in (torch.float32, x_meta.dtype):
+        if f64 and m.dtype != torch.float64:
+            return f"cos/sin dtype {m.dtype} (float64 for sd.rope_apply_f64.v1)"
+        if not f64 and m.dtype not in (torch.float32, x_meta.dtype):
             return f"cos/sin dtype {m.dtype} (float32 or x's dtype)"
     for m in metas:
         if not m.shape or m.is_symbolic:
@@ -563,12 +577,14 @@ def rope_apply_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: 
                    out: torch.Tensor | None = None, rounding: str = "once") -> torch.Tensor:
     """``sd.rope_apply.v1`` (``rounding="once"``) or ``sd.rope_apply_rounded.v1``
     (``"each_op"``) on CPU tensors with the numba kernel (the launcher; for direct calls and
-    benchmarks).  ``out``: a contiguous tensor of x's shape and dtype, or None (allocated).
-    Raises ValueError for inputs the kernel does not handle (see ``RopeApplyCPU.supports``)."""
+    benchmarks), or ``sd.rope_apply_f64.v1`` when cos and sin are float64 (``"once"``).
+    ``out``: a contiguous tensor of x's shape and dtype, or None (allocated).  Raises
+    ValueError for inputs the kernel does not handle (see ``RopeApplyCPU.supports``)."""
     if rounding not in ROUNDINGS:
         raise ValueError(f"rope_apply_cpu: rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    f64 = cos.dtype == torch.float64 and rounding == "once"
     why = _why_not(fxbackend.TensorMeta.of(x), fxbackend.TensorMeta.of(cos),
-                   fxbackend.TensorMeta.of(sin), mode, n_rot)
+                   fxbackend.TensorMeta.of(sin), mode, n_rot, f64)
     if why is not None:
         raise ValueError(f"rope_apply_cpu: unsupported input: {why}")
     if out is None:
@@ -588,8 +604,8 @@ def compile_kernels(x_dtype: torch.dtype, cos_dtype: torch.dtype,
     # plans compile their nodes in parallel; numba serialises compilation itself, and the lock
     # keeps these (empty) launches off threading layers that are not thread-safe (workqueue)
     with _compile_lock:
-        fn(np.zeros(0, _NP_OF[x_dtype]), np.zeros(0, _NP_OF[cos_dtype]),
-           np.zeros(0, _NP_OF[sin_dtype]), np.zeros(0, _NP_OF[x_dtype]), t, t[:, :3].copy(),
+        fn(np.zeros(0, _NP_OF[x_dtype]), np.zeros(0, _NP_TABLE[cos_dtype]),
+           np.zeros(0, _NP_TABLE[sin_dtype]), np.zeros(0, _NP_OF[x_dtype]), t, t[:, :3].copy(),
            2, 2, 1, 1, True, False)
 
 
@@ -601,13 +617,15 @@ class RopeApplyCPU:
     name = "rope_apply_cpu"
     op = "sd.rope_apply.v1"
     each_op = False  # RopeApplyRoundedCPU: each product rounded to x's dtype
+    f64 = False  # RopeApplyF64CPU: float64 tables, float64 maths
 
     def supports(self, node) -> bool:
         try:
             if len(node.srcs) != 3:
                 return False
             x, cos, sin = (s.meta for s in node.srcs)
-            return _why_not(x, cos, sin, node.params.get("mode"), node.params.get("n_rot")) is None
+            return _why_not(x, cos, sin, node.params.get("mode"), node.params.get("n_rot"),
+                            self.f64) is None
         except Exception:  # never raise from supports: decline instead
             return False
 
@@ -638,5 +656,16 @@ class RopeApplyRoundedCPU(RopeApplyCPU):
     each_op = True
 
 
+class RopeApplyF64CPU(RopeApplyCPU):
+    """The same kernel for ``sd.rope_apply_f64.v1``: float64 cos/sin, so the products and the
+    sum are float64, rounded once in the store (module docstring; the same compiled kernel for
+    float64 table types)."""
+
+    name = "rope_apply_f64_cpu"
+    op = "sd.rope_apply_f64.v1"
+    f64 = True
+
+
 fxbackend.register_kernel("cpu", RopeApplyCPU)
 fxbackend.register_kernel("cpu", RopeApplyRoundedCPU)
+fxbackend.register_kernel("cpu", RopeApplyF64CPU)

@@ -176,8 +176,10 @@ def result_meta(node: Node, metas: dict | None = None, fake: bool = False) -> Te
 class AtenBuilder:
     """Inserts ATen nodes before ``at`` in ``graph`` for a rewrite rule:
     ``make = AtenBuilder(graph, at); y = make("addmm", [b, x, w])``, ``make("view", [y],
-    {"size": [...]})``.  Each node takes its ``.default`` overload, one source per Tensor
-    argument of its schema (in order), the metadata its op gives on the meta device
+    {"size": [...]})``.  Each node takes its ``.default`` overload, or the one ``name`` names
+    after a dot (``make("select.int", [t], {"dim": -1, "index": 0})``), one source per Tensor
+    argument of its schema (in order) and every source left for its ``Tensor[]`` argument
+    (``make("stack", [a, b], {"dim": -1})``), the metadata its op gives on the meta device
     (:func:`result_meta`), and is a view of its first source when the schema says the result
     aliases it (``view``, ``t``, ``permute``, ``unsqueeze``, ``expand``, ...)."""
 
@@ -185,12 +187,17 @@ class AtenBuilder:
         self.graph, self.at = graph, at
 
     def __call__(self, name: str, srcs: list, params: dict | None = None) -> Node:
-        op = getattr(torch.ops.aten, name).default
-        layout = tuple((a.name, True) for a in op._schema.arguments
-                       if isinstance(a.type, torch.TensorType))
+        base, _, overload = name.partition(".")
+        op = getattr(getattr(torch.ops.aten, base), overload or "default")
+        single = sum(isinstance(a.type, torch.TensorType) for a in op._schema.arguments)
+        layout = tuple((a.name, True) if isinstance(a.type, torch.TensorType)
+                       else (a.name, (True,) * (len(srcs) - single))
+                       for a in op._schema.arguments
+                       if isinstance(a.type, torch.TensorType) or
+                       str(a.type) in ("Tensor[]", "List[Tensor]"))
         alias = op._schema.returns[0].alias_info
-        node = self.graph.new_node(f"aten.{name}.default", srcs, params or {}, None,
-                                   target=op, tensor_layout=layout,
+        node = self.graph.new_node(f"aten.{base}.{overload or 'default'}", srcs, params or {},
+                                   None, target=op, tensor_layout=layout,
                                    view_of=srcs[0] if alias is not None and not alias.is_write
                                    else None)
         node.meta = result_meta(node)

@@ -24,8 +24,19 @@ RoPE in the model's dtype)::
 
 (each product and the sum in float32 first).  For float32 x it is ``sd.rope_apply.v1``.  A
 separate op rather than an attribute: a kernel registered for ``sd.rope_apply.v1`` that did not
-know the attribute would compute these nodes with one rounding.  Sources: Su et al., "RoFormer"
-(arXiv 2104.09864); diffusers ``apply_rotary_emb``.
+know the attribute would compute these nodes with one rounding.
+
+``sd.rope_apply_f64.v1(x, cos, sin) {mode, n_rot}`` is the same rotation computed in float64
+(x, cos and sin converted to float64, which is exact) and rounded once to x's dtype as torch
+converts a float64 tensor to it: straight to float32, and to bf16/fp16 through float32 (c10
+converts a double to float first; measured: 1 + 2^-8 + 2^-30 becomes bf16 1.0, not 1 + 2^-7),
+the rounding eager has too.  Lumina 2 multiplies ``view_as_complex(x.float())`` by complex128
+frequencies, which is this (the complex64 x promotes exactly; the complex128 product is
+``(ac - bd) + i(ad + bc)`` in float64): float32 maths would round each product where float64
+does not, so no float32 op gives eager's bits.  A separate op for the reason above; kernels:
+``rope_apply_f64_cpu`` (the numba kernel on float64 tables), and on other devices the
+reference (``execute``, the op's native kernel on any device).
+Sources: Su et al., "RoFormer" (arXiv 2104.09864); diffusers ``apply_rotary_emb``.
 """
 from __future__ import annotations
 
@@ -38,14 +49,16 @@ from .rmsnorm import RmsNorm, is_cast_to
 
 RmsNormName = RmsNorm.name
 
-__all__ = ["RopeApply", "RopeApplyRounded", "RopeTables", "RopeIdiom", "rope_reference",
-           "rms_rope_reference", "RmsRopeFusion", "ReferenceRmsRope", "MODES"]
+__all__ = ["RopeApply", "RopeApplyRounded", "RopeApplyF64", "RopeTables", "RopeIdiom",
+           "rope_reference", "rms_rope_reference", "RmsRopeFusion", "ReferenceRmsRope", "MODES"]
 
 MODES = ("interleaved", "split_half")
 #: how ``rope_reference`` rounds: once (``sd.rope_apply.v1``) or after each product and the sum
 #: (``sd.rope_apply_rounded.v1``)
 ROUNDINGS = ("once", "each_op")
 _HALF = (torch.bfloat16, torch.float16)
+#: the tables ``sd.rope_tables.v1`` makes from each complex dtype
+_REAL_OF = {torch.complex64: torch.float32, torch.complex128: torch.float64}
 
 
 def _broadcasts(shape: tuple, target: tuple) -> bool:
@@ -55,13 +68,19 @@ def _broadcasts(shape: tuple, target: tuple) -> bool:
 
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str,
-                   n_rot: int, rounding: str = "once") -> torch.Tensor:
+                   n_rot: int, rounding: str = "once",
+                   compute: torch.dtype = torch.float32) -> torch.Tensor:
     """The meaning of ``sd.rope_apply.v1`` in plain torch (float32 maths, x's dtype out), or
     with ``rounding="each_op"`` that of ``sd.rope_apply_rounded.v1`` (each product and the sum
-    rounded to x's dtype)."""
+    rounded to x's dtype), or with ``compute=torch.float64`` that of ``sd.rope_apply_f64.v1``
+    (float64 maths, rounded once)."""
     if rounding not in ROUNDINGS:
         raise ValueError(f"rope_reference: rounding must be one of {ROUNDINGS}, got {rounding!r}")
-    xf = x.float()
+    if compute not in (torch.float32, torch.float64) or \
+            (compute == torch.float64 and rounding != "once"):
+        raise ValueError(f"rope_reference: compute must be float32, or float64 with rounding "
+                         f"'once', got {compute} with {rounding!r}")
+    xf = x.to(compute)
     rot, rest = xf[..., :n_rot], xf[..., n_rot:]
     if mode == "interleaved":
         pairs = rot.reshape(*rot.shape[:-1], -1, 2)
@@ -72,7 +91,7 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: 
     else:
         raise ValueError(f"sd.rope_apply.v1: mode must be one of {MODES}, got {mode!r}")
     if rounding == "once":
-        out = rot * cos.float() + rotated * sin.float()
+        out = rot * cos.to(compute) + rotated * sin.to(compute)
     else:  # the negation in ``rotated`` is exact, and rounding is symmetric
         t = x.dtype
         out = (rot * cos.float()).to(t).float() + (rotated * sin.float()).to(t).float()
@@ -164,13 +183,29 @@ class RopeApplyRounded(RopeApply):
                                  "each_op"))
 
 
+class RopeApplyF64(RopeApply):
+    """``sd.rope_apply_f64.v1``: the rotation of ``sd.rope_apply.v1`` in float64, rounded once
+    to x's dtype (module docstring); the same inputs, attributes and checks.  Its CPU kernel
+    is ``cpu_kernels/rope.py``'s; no CUDA kernel is registered, so the reference below runs
+    it there."""
+
+    name = "sd.rope_apply_f64.v1"
+
+    def execute(self, ctx, node, state, inputs, out, workspace) -> None:
+        """Reference execution (the op's native kernel on any device)."""
+        x, cos, sin = inputs
+        out.copy_(rope_reference(x, cos, sin, node.params["mode"], node.params["n_rot"],
+                                 compute=torch.float64))
+
+
 class RopeTables:
     """``sd.rope_tables.v1(freqs) {part}``: the cos (``part="cos"``) or sin (``"sin"``) table of
     ``sd.rope_apply.v1`` (interleaved) from complex frequencies ``freqs`` (complex64,
     ``[..., n/2]``, e.g. ``torch.polar(1, angles)``): float32 ``[..., n]`` with
     ``out[..., 2p] = out[..., 2p+1] = freqs[..., p].real`` (``.imag`` for sin).  With these,
     ``view_as_real(view_as_complex(x) * freqs)`` is ``rope_apply(x, cos, sin)``: the complex
-    product ``(a + ib)(c + id)`` is ``(ac - bd) + i(bc + ad)``."""
+    product ``(a + ib)(c + id)`` is ``(ac - bd) + i(bc + ad)``.  Complex128 ``freqs`` give
+    float64 tables, for ``sd.rope_apply_f64.v1``."""
 
     name = "sd.rope_tables.v1"
     attrs = {"part": str}
@@ -181,11 +216,11 @@ class RopeTables:
         f = srcs[0]
         if attrs["part"] not in ("cos", "sin"):
             raise ValueError(f"{self.name}: part must be 'cos' or 'sin', got {attrs['part']!r}")
-        if f.dtype != torch.complex64 or not f.shape:
-            raise ValueError(f"{self.name}: freqs must be a complex64 tensor with a feature "
-                             f"dimension, got {f.dtype} of shape {tuple(f.shape)}")
+        if f.dtype not in _REAL_OF or not f.shape:
+            raise ValueError(f"{self.name}: freqs must be a complex64 or complex128 tensor with "
+                             f"a feature dimension, got {f.dtype} of shape {tuple(f.shape)}")
         shape = tuple(f.shape[:-1]) + (2 * f.shape[-1],)
-        return TensorMeta.contiguous(shape, torch.float32, f.device)
+        return TensorMeta.contiguous(shape, _REAL_OF[f.dtype], f.device)
 
     def execute(self, ctx, node, state, inputs, out, workspace) -> None:
         """Reference execution (the op's native kernel on any device)."""
@@ -230,11 +265,30 @@ class RopeIdiom:
     #       features is the op's sum with its terms swapped, both exact in IEEE arithmetic.
     #       In bf16/fp16 each product and the sum rounds to that dtype: the chain becomes
     #       sd.rope_apply_rounded.v1, which rounds where the chain does
+    # complex (Lumina): view_as_real(view_as_complex(view(x.float(), [..., D/2, 2])) * freqs)
+    #              -> view(x.shape) [-> cast back to x's dtype]
+    #   =>  sd.rope_apply.v1(x, C, S) {mode=interleaved, n_rot=D} with C, S =
+    #       sd.rope_tables.v1(freqs) {part=cos|sin}                        (complex64 freqs)
+    #   =>  sd.rope_apply_f64.v1(x, C, S), float64 tables: complex128 freqs (Lumina 2 builds
+    #       them in float64) promote the product to complex128, float64 maths rounded once at
+    #       the cast back to x's dtype, which must follow
+    # rotation matrices (Flux's reference code, ComfyUI, HiDream): x_ = view(x.float(),
+    #              [..., D/2, 1, 2]); a * x_[..., 0] + b * x_[..., 1] -> view(x.shape)
+    #              [-> cast back to x's dtype], a = F[..., 0] and b = F[..., 1] of the
+    #              [..., D/2, 2, 2] matrices F = [[cos, -sin], [sin, cos]]
+    #   =>  sd.rope_apply.v1(x, C, S) {mode=interleaved, n_rot=D}, C = (a[..., 0], b[..., 1])
+    #       and S = (-b[..., 0], a[..., 1]) interleaved (select, neg, stack, view: input-free
+    #       tables fold into constants).  Exact for any a and b, rotations or not, so F needs
+    #       no check: out[2i] = a[i, 0] x[2i] + b[i, 0] x[2i+1] is the op's
+    #       x[2i] C[2i] - x[2i+1] S[2i] (the negations are exact and cancel), and
+    #       out[2i+1] = a[i, 1] x[2i] + b[i, 1] x[2i+1] its x[2i+1] C[2i+1] + x[2i] S[2i+1]
+    #       with the terms of the sum swapped
 
     Matched on dataflow; every intermediate must be read only inside the idiom and not be a
     graph output.  The output must have x's shape and dtype (no broadcast or promotion hidden
     in the multiplies), so the rewrite is exact: the kernels compute the same products and sum
-    in the same order.  The complex form (view_as_complex(x) * freqs) is :meth:`_match_complex`'s.
+    in the same order.  The complex form is :meth:`_match_complex`'s, the matrix form
+    :meth:`_match_matrix`'s.
     """
 
     name = "rope"
@@ -245,32 +299,29 @@ class RopeIdiom:
         for add in list(graph.nodes):
             found = self._match_complex(add, users)
             if found is not None:
-                x, freqs, last = found
+                x, freqs, last, op = found
                 try:
                     tc = fxbackend.op_create(graph, RopeTables.name, [freqs], {"part": "cos"},
                                              after=last)
                     ts = fxbackend.op_create(graph, RopeTables.name, [freqs], {"part": "sin"},
                                              after=tc)
-                    new = fxbackend.op_create(graph, RopeApply.name, [x, tc, ts],
+                    new = fxbackend.op_create(graph, op.name, [x, tc, ts],
                                               {"mode": "interleaved",
                                                "n_rot": x.meta.shape[-1]}, after=ts)
                 except (ValueError, TypeError):
                     for n in [n for n in graph.nodes[graph.nodes.index(last) + 1:][:3]
-                              if n.op in (RopeTables.name, RopeApply.name) and not users.get(n)]:
+                              if n.op in (RopeTables.name, op.name) and not users.get(n)]:
                         graph.nodes.remove(n)
                     continue
                 fxbackend.replace_uses(graph, last, new)
                 users = graph.users()
                 count += 1
                 continue
-            found = self._match_strided(add, users)
+            found = self._built_tables(graph, add, users)
             if found is not None:
-                x, c, sn, last = found
-                # a 16-bit chain rounds each product and the sum: the rounded op
-                op = RopeApply if x.meta.dtype == torch.float32 else RopeApplyRounded
+                x, op, tables, last = found
                 try:
-                    tables = [self._pairs_table(graph, t, last) for t in (c, sn)]
-                    new = fxbackend.op_create(graph, op.name, [x, *tables],
+                    new = fxbackend.op_create(graph, op.name, [x, *tables()],
                                               {"mode": "interleaved",
                                                "n_rot": x.meta.shape[-1]}, after=last)
                 except (ValueError, TypeError, RuntimeError):
@@ -292,6 +343,22 @@ class RopeIdiom:
             users = graph.users()
             count += 1
         return count
+
+    def _built_tables(self, graph, add, users):
+        """(x, op, tables, last) for the forms whose op tables are built from the model's
+        (the matrix form, Wan's strided writes); ``tables()`` inserts their nodes before
+        ``last`` and returns the two."""
+        found = self._match_matrix(add, users)
+        if found is not None:
+            x, a, b, last = found
+            return x, RopeApply, lambda: self._matrix_tables(graph, a, b, last), last
+        found = self._match_strided(add, users)
+        if found is None:
+            return None
+        x, c, sn, last = found
+        # a 16-bit chain rounds each product and the sum: the rounded op
+        op = RopeApply if x.meta.dtype == torch.float32 else RopeApplyRounded
+        return x, op, lambda: [self._pairs_table(graph, t, last) for t in (c, sn)], last
 
     def _match(self, add, users):
         """(x, cos, sin, mode, last) when ``add`` sums the two products of a RoPE; ``last`` is
@@ -344,6 +411,25 @@ class RopeIdiom:
         e = make("expand", [u], {"size": shape + [2]})
         c = make("clone", [e])
         return make("view", [c], {"size": shape[:-1] + [2 * shape[-1]]})
+
+    @staticmethod
+    def _matrix_tables(graph, a, b, at):
+        """Nodes before ``at`` making the op's ``[..., D]`` cos and sin tables from the
+        matrix form's ``[..., D/2, 2]`` tables: ``(a[..., 0], b[..., 1])`` and
+        ``(-b[..., 0], a[..., 1])``, each pair interleaved (class doc)."""
+        from fxbackend.rewrite import AtenBuilder
+        make = AtenBuilder(graph, at)
+
+        def part(t, r):
+            return make("select.int", [t], {"dim": -1, "index": r})
+
+        def interleave(even, odd):
+            s = make("stack", [even, odd], {"dim": -1})
+            return make("view", [s], {"size": list(s.meta.shape[:-2]) +
+                                      [2 * s.meta.shape[-2]]})
+
+        return (interleave(part(a, 0), part(b, 1)),
+                interleave(make("neg", [part(b, 0)]), part(a, 1)))
 
     def _match_strided(self, ss1, users):
         """(x, c, s, last) for Wan's RoPE (see the class doc), ``last`` the second
@@ -447,15 +533,17 @@ class RopeIdiom:
         return None
 
     def _match_complex(self, mul, users):
-        """(x, freqs, last) for ``view(view_as_real(view_as_complex(view(xf, [..., D/2, 2]))
-        * freqs), [..., D])`` [-> cast back to x's dtype], xf = x or x.float()."""
+        """(x, freqs, last, op) for ``view(view_as_real(view_as_complex(view(xf, [..., D/2, 2]))
+        * freqs), [..., D])`` [-> cast back to x's dtype], xf = x or x.float(); ``op``
+        ``RopeApply`` for complex64 freqs, ``RopeApplyF64`` for complex128 ones (the product
+        promotes to complex128: float64 maths, and the cast back is where it rounds)."""
         if mul.op != "aten.mul.Tensor" or len(mul.srcs) != 2 or \
-                not isinstance(mul.meta, TensorMeta) or mul.meta.dtype != torch.complex64:
+                not isinstance(mul.meta, TensorMeta) or mul.meta.dtype not in _REAL_OF:
             return None
         for vc, freqs in (mul.srcs, mul.srcs[::-1]):
             if vc.op != "aten.view_as_complex.default" or not _only_user(users, vc, mul):
                 continue
-            if not isinstance(freqs.meta, TensorMeta) or freqs.meta.dtype != torch.complex64:
+            if not isinstance(freqs.meta, TensorMeta) or freqs.meta.dtype != mul.meta.dtype:
                 continue
             pairs = vc.srcs[0]
             if pairs.op not in ("aten.view.default", "aten._unsafe_view.default",
@@ -487,8 +575,71 @@ class RopeIdiom:
                     xf.srcs[0].meta.dtype in _HALF and len(back) == 1 and \
                     not flat.is_output and is_cast_to(back[0], xf.srcs[0].meta.dtype):
                 x, last = xf.srcs[0], back[0]  # x.float() ... type_as(x): one op on x
-            return x, freqs, last
+            if mul.meta.dtype == torch.complex64:
+                return x, freqs, last, RopeApply
+            if last is flat:  # a float64 result: only a cast to float32 makes it x's dtype
+                if len(back) != 1 or flat.is_output or not is_cast_to(back[0], torch.float32):
+                    continue
+                last = back[0]
+            return x, freqs, last, RopeApplyF64
         return None
+
+    def _match_matrix(self, add, users):
+        """(x, a, b, last) for ``add(mul(a, x_[..., 0]), mul(b, x_[..., 1]))`` (either order,
+        each product's factors in either order) with ``x_ = view(xf, [..., D/2, 1, 2])``,
+        read by the two selects only, then ``view`` to xf's shape [-> cast back to x's
+        dtype], xf = x or x.float(); float32 products (a and b float32, or 16-bit and widened
+        by the product), ``[..., D/2, 2]`` tables, no broadcast of x."""
+        if add.op != "aten.add.Tensor" or len(add.srcs) != 2 or add.params or \
+                not isinstance(add.meta, TensorMeta) or add.meta.dtype != torch.float32:
+            return None
+        coef, xv = {}, None  # pair element (0: x[2i], 1: x[2i+1]) -> its table
+        for m in add.srcs:
+            if m.op != "aten.mul.Tensor" or len(m.srcs) != 2 or m.params or \
+                    not _only_user(users, m, add) or \
+                    tuple(m.meta.shape) != tuple(add.meta.shape):
+                return None
+            for sel, t in (m.srcs, m.srcs[::-1]):
+                # x_ ends in (1, 2): a select of the matrices F (the tables) does not
+                if sel.op == "aten.select.int" and _only_user(users, sel, m) and \
+                        sel.params.get("index") in (0, 1, -2, -1) and \
+                        sel.srcs[0] is not t and (xv is None or sel.srcs[0] is xv) and \
+                        tuple(sel.srcs[0].meta.shape[-2:]) == (1, 2) and \
+                        _last_dim(sel.srcs[0], sel.params.get("dim", 0)):
+                    xv = sel.srcs[0]
+                    coef[sel.params["index"] % 2] = t
+                    break
+            else:
+                return None
+        if len(coef) != 2 or xv.op not in ("aten.view.default", "aten._unsafe_view.default",
+                                           "aten.reshape.default") or xv.is_output or \
+                len(users.get(xv, [])) != 2:
+            return None  # both selects read the one view x_, which nothing else reads
+        xf = xv.srcs[0]
+        if not isinstance(xf.meta, TensorMeta) or xf.meta.dtype != torch.float32 or \
+                not xf.meta.shape or xf.meta.shape[-1] % 2:
+            return None
+        d = xf.meta.shape[-1]
+        pairs = tuple(xf.meta.shape[:-1]) + (d // 2, 2)
+        if tuple(xv.meta.shape) != tuple(xf.meta.shape[:-1]) + (d // 2, 1, 2) or \
+                tuple(add.meta.shape) != pairs:
+            return None  # the tables broadcast x: not a rotation of x
+        a, b = coef[0], coef[1]
+        if any(not isinstance(t.meta, TensorMeta) or not t.meta.dtype.is_floating_point or
+               tuple(t.meta.shape[-2:]) != (d // 2, 2) or t in (xv, xf) for t in (a, b)):
+            return None
+        flat = users.get(add, [])
+        if len(flat) != 1 or add.is_output or flat[0].op not in (
+                "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default") or \
+                tuple(flat[0].meta.shape) != tuple(xf.meta.shape):
+            return None
+        x, last = xf, flat[0]
+        back = users.get(last, [])
+        if xf.srcs and is_cast_to(xf, torch.float32) and xf.srcs[0].meta.dtype in _HALF and \
+                len(back) == 1 and not last.is_output and \
+                is_cast_to(back[0], xf.srcs[0].meta.dtype):
+            x, last = xf.srcs[0], back[0]  # x.float() ... type_as(x): one op on x
+        return x, a, b, last
 
     def _rotated_source(self, rot, users, reader):
         """(x, mode) when ``rot`` is x's features rotated pairwise in one of the two forms."""
@@ -702,5 +853,6 @@ class ReferenceRmsRope:
 
 fxbackend.register_op(RopeApply)
 fxbackend.register_op(RopeApplyRounded)
+fxbackend.register_op(RopeApplyF64)
 fxbackend.register_op(RopeTables)
 fxbackend.register_rewrite(RopeIdiom)

@@ -46,6 +46,14 @@ BF16_NOT_EXACT = {
 }
 
 
+#: ``rope`` rewrites per compiled model, for the models whose RoPE form has a rule of its own
+#: (patterns/rope.py): HiDream's rotation matrices (q and k of its two attention layers) and
+#: Lumina 2's complex128 frequencies (q and k of its two layers and two refiner layers, as
+#: sd.rope_apply_f64.v1).
+#: Measured in float32 and bf16; the other models are not counted here
+ROPE_REWRITES = {"hidream": 4, "lumina2": 8}
+
+
 def _channels_last_bf16_conv_is_exact() -> bool:
     """Whether this CPU's bf16 3x3 convolution gives the same bits channels-last as NCHW.
     On CPUs with native bf16 (AVX-512 BF16, AMX) oneDNN sums both in one order; on AVX2-only
@@ -79,6 +87,8 @@ def _run(name, dtype):
         fxbackend.reset_stats()
         out = _tensors(torch.compile(model, backend="fxbackend")(**kw))
     assert ref and len(out) == len(ref)
+    if name in ROPE_REWRITES:
+        assert fxbackend.stats()["rewrites_by_rule"].get("rope", 0) == ROPE_REWRITES[name]
     return ref, out
 
 

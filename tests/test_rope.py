@@ -196,18 +196,23 @@ def test_cpu_kernel_cos_sin_in_x_dtype(dtype, mode):
     torch.testing.assert_close(out, rope_reference(x, cos, sin, mode, 10), atol=1e-2, rtol=1e-2)
 
 
+def _exhaustive_x(dtype, gen) -> torch.Tensor:
+    """x for the bit-exactness tests, ``[rows, 4, D]``: float32 values over 60 decades, or
+    every finite bit pattern of a 16-bit dtype."""
+    if dtype == torch.float32:
+        return torch.randn(64, 4, 24, generator=gen) * torch.logspace(-30, 30, 24)
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    x = bits[torch.isfinite(bits.float())]
+    return x[: x.numel() // 64 * 64].reshape(-1, 4, 16)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpu_kernel_is_bit_exact(dtype):
     """Same float32 maths in the same order (no FMA), round to nearest even once: every bit
     equal to the reference; for 16-bit x over every finite bit pattern (so both conversions
     are checked exhaustively on the way in and widely on the way out)."""
     gen = torch.Generator().manual_seed(2)
-    if dtype == torch.float32:
-        x = torch.randn(64, 4, 24, generator=gen) * torch.logspace(-30, 30, 24)
-    else:
-        bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
-        x = bits[torch.isfinite(bits.float())]
-        x = x[: x.numel() // 64 * 64].reshape(-1, 4, 16)
+    x = _exhaustive_x(dtype, gen)
     cos, sin = _freqs((x.shape[1], x.shape[2]), x.shape[2], gen=gen)
     cos[0, :2] = 1e-38  # products that land in the 16-bit subnormals
     for mode in ("interleaved", "split_half"):
@@ -234,11 +239,19 @@ def _chain_16bit(x, cos, sin, mode, n_rot):
     return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
-                         ids=lambda v: str(v).replace("torch.", ""))
-@pytest.mark.parametrize("mode", ["interleaved", "split_half"])
-@pytest.mark.parametrize("D, n_rot", [(6, 6), (10, 4), (40, 40)])
-@pytest.mark.parametrize("kind", ["bhsd", "bshd", "qkv_slice", "per_batch_strided_cos"])
+def _bit_exact_cases(test):
+    """The dtypes, modes, head sizes and layouts of the variants' bit-for-bit kernel tests."""
+    for name, values, kw in (
+            ("kind", ["bhsd", "bshd", "qkv_slice", "per_batch_strided_cos"], {}),
+            ("D, n_rot", [(6, 6), (10, 4), (40, 40)], {}),
+            ("mode", ["interleaved", "split_half"], {}),
+            ("dtype", [torch.bfloat16, torch.float16, torch.float32],
+             {"ids": lambda v: str(v).replace("torch.", "")})):
+        test = pytest.mark.parametrize(name, values, **kw)(test)
+    return test
+
+
+@_bit_exact_cases
 def test_rounded_op_is_the_chain_in_x_dtype_bit_for_bit(dtype, mode, D, n_rot, kind):
     """Tables in x's dtype, as Wan's are: the CPU kernel, the reference and torch's ops in that
     dtype agree in every bit; for float32 the rounded op is sd.rope_apply.v1."""
@@ -286,6 +299,74 @@ def test_rounded_launcher_rejects_an_unknown_rounding():
         cpu_rope.rope_apply_cpu(x, x, x, "interleaved", 8, rounding="twice")
     with pytest.raises(ValueError, match="rounding"):
         rope_reference(x, x, x, "interleaved", 8, rounding="twice")
+
+
+# -- sd.rope_apply_f64.v1: float64 maths, rounded once (Lumina 2's complex128 product) ------------
+
+F64 = "sd.rope_apply_f64.v1"
+
+
+def _float64_like(t: torch.Tensor, gen) -> torch.Tensor:
+    """A float64 table with ``t``'s shape and strides and values finer than float32's."""
+    out = torch.empty_strided(t.shape, t.stride(), dtype=torch.float64)
+    return out.copy_(t.double() + torch.rand(t.shape, generator=gen, dtype=torch.float64) * 1e-9)
+
+
+def _complex128_chain(x, freqs):
+    """Lumina 2's eager RoPE: ``view_as_complex(x.float()) * freqs`` (complex128), back to x's
+    dtype with ``type_as``."""
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * freqs).flatten(-2).type_as(x)
+
+
+@_bit_exact_cases
+def test_f64_op_kernel_is_the_reference_bit_for_bit(dtype, mode, D, n_rot, kind):
+    """Float64 tables in the layouts models give: the CPU kernel's float64 products and sums,
+    rounded once in the store, are the reference's in every bit."""
+    gen = torch.Generator().manual_seed(D * 5 + n_rot)
+    x, cos, sin = _layout(kind, D, n_rot, dtype, gen)
+    cos, sin = _float64_like(cos, gen), _float64_like(sin, gen)
+    out, steps = _run_rope(x, cos, sin, mode, n_rot, F64)
+    assert steps == {"rope_apply_f64_cpu": 1}
+    want = rope_reference(x, cos, sin, mode, n_rot, compute=torch.float64)
+    assert out.dtype == dtype and torch.equal(out, want)
+    assert torch.equal(out[..., n_rot:], x[..., n_rot:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=lambda v: str(v).replace("torch.", ""))
+def test_f64_op_is_the_complex128_product_bit_for_bit(dtype):
+    """The op on the tables of complex128 frequencies (each real and imaginary part twice) is
+    Lumina 2's eager product, for 16-bit x over every finite bit pattern, where float32 maths
+    (sd.rope_apply.v1 on the same tables) is not: why the op exists.  Float32 maths differs at
+    40% of float32 outputs; at 16-bit ones only where a float32 rounding moves a result across
+    a 16-bit rounding boundary (measured at [4096, 64, 128]: 879 of 33.5M bf16 outputs, 5415
+    fp16 ones), too rarely for this test's few thousand values to show."""
+    gen = torch.Generator().manual_seed(6)
+    x = _exhaustive_x(dtype, gen)
+    d = x.shape[-1]
+    ang = torch.rand(4, d // 2, generator=gen, dtype=torch.float64) * 6.3
+    freqs = torch.polar(torch.ones_like(ang), ang)
+    cos, sin = (torch.view_as_real(freqs)[..., i].repeat_interleave(2, -1) for i in (0, 1))
+    out, steps = _run_rope(x, cos, sin, "interleaved", d, F64)
+    assert steps == {"rope_apply_f64_cpu": 1}
+    want = _complex128_chain(x, freqs)
+    assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
+    if dtype == torch.float32:
+        in_float32 = rope_reference(x, cos.float(), sin.float(), "interleaved", d)
+        assert not torch.equal(in_float32, want)
+
+
+def test_f64_op_declines_float32_tables_and_runs_native():
+    # float32 tables are a meaningful f64 node (converted exactly), but not the kernel's types
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(B, H, S, 8, generator=gen)
+    cos, sin = _freqs((S, 8), 8, gen=gen)
+    out, steps = _run_rope(x, cos, sin, "interleaved", 8, F64)
+    assert steps == {"native": 1}
+    assert torch.equal(out, rope_reference(x, cos, sin, "interleaved", 8, compute=torch.float64))
+    with pytest.raises(ValueError, match="compute"):
+        rope_reference(x, cos, sin, "interleaved", 8, "each_op", torch.float64)
 
 
 def test_a_flux_q_from_fused_qkv_through_view_nodes():

@@ -14,16 +14,18 @@ def _rope_fn(x, cos, sin):
     return apply_rotary_emb(x, (cos, sin), use_real_unbind_dim=-1, sequence_dim=2) * 2
 
 
-def _assert_one_exact_rope(f, args, kernel):
-    """``torch.compile(f)`` equals ``f`` bit for bit, with one ``rope`` rewrite run by
+def _assert_one_exact_rope(f, args, kernel, n=1):
+    """``torch.compile(f)`` equals ``f`` bit for bit, with one (``n``) ``rope`` rewrite run by
     ``kernel``."""
     with torch.no_grad():
         out = torch.compile(f, backend="fxbackend")(*args)
         want = f(*args)
-    assert torch.equal(out, want)
+    for o, w in zip(out if isinstance(out, tuple) else (out,),
+                    want if isinstance(want, tuple) else (want,)):
+        assert torch.equal(o, w)
     stats = fxbackend.stats()
-    assert stats["rewrites_by_rule"] == {"rope": 1}
-    assert stats["steps_by_kernel"][kernel] == 1
+    assert stats["rewrites_by_rule"] == {"rope": n}
+    assert stats["steps_by_kernel"][kernel] == n
 
 
 def _inputs(b=1, h=3, s=5, d=8):
@@ -217,6 +219,120 @@ def test_rope_tables_op_rejects_real_freqs():
     with pytest.raises(ValueError, match="part"):
         RopeTables().infer_meta([c], {"part": "tan"})
     assert RopeTables().infer_meta([c], {"part": "sin"}).shape == (5, 8)
+    c128 = fxbackend.TensorMeta((5, 4), (4, 1), torch.complex128, torch.device("cpu"))
+    assert RopeTables().infer_meta([c128], {"part": "cos"}).dtype == torch.float64
+
+
+# -- Lumina 2's form: complex128 frequencies ------------------------------------------------------
+
+def _freqs64(b=2, s=7, half=8, seed=1):
+    """Frequencies as Lumina 2 builds them (``get_1d_rotary_pos_embed`` in float64): complex128."""
+    g = torch.Generator().manual_seed(seed)
+    ang = torch.randn(b, s, half, generator=g, dtype=torch.float64) * 3
+    return torch.polar(torch.ones_like(ang), ang)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["f32", "bf16", "fp16"])
+def test_complex128_rope_becomes_the_float64_op_bit_for_bit(dtype):
+    """view_as_complex(x.float()) * complex128 freqs is a complex128 product: float64 maths,
+    rounded once at type_as(x).  sd.rope_apply_f64.v1 computes exactly that."""
+    x = torch.randn(2, 7, 3, 16, generator=torch.Generator().manual_seed(2)).to(dtype)
+    freqs = _freqs64()
+    _assert_one_exact_rope(_complex_rope, (x, freqs), "rope_apply_f64_cpu")
+    text = fxbackend.explain(_complex_rope, x, freqs)
+    assert "sd.rope_apply_f64.v1(%" in text and "sd.rope_tables.v1(%" in text
+    assert "view_as_complex" not in text
+
+
+def test_complex128_rope_kept_in_float64_is_not_rewritten():
+    # no cast back: the float64 result is the output, which no op of x's dtype gives
+    def f(x, freqs):
+        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * freqs.unsqueeze(2)).flatten(3)
+
+    x, freqs = torch.randn(2, 7, 3, 16), _freqs64()
+    with torch.no_grad():
+        out = torch.compile(f, backend="fxbackend")(x, freqs)
+    assert out.dtype == torch.float64 and torch.equal(out, f(x, freqs))
+    assert fxbackend.stats()["rewrites_by_rule"] == {}
+
+
+# -- rotation matrices: Flux's reference code, ComfyUI, HiDream ------------------------------------
+
+def _matrix_rope(xq, xk, freqs_cis):
+    """RoPE as the original Flux code, ComfyUI and diffusers' HiDream write it (2x2 matrices
+    per pair: ``freqs_cis`` [..., D/2, 2, 2])."""
+    from diffusers.models.transformers.transformer_hidream_image import apply_rope
+    q, k = apply_rope(xq, xk, freqs_cis)
+    return q * 2, k + 1
+
+
+def _matrix_inputs(dtype, b=1, s=10, h=2, d=12, matrices="rotation"):
+    """q and k [B, S, H, D] and [B, S, 1, D/2, 2, 2] matrices: HiDream's rotations (``rope``
+    of positions, float32), or any values."""
+    from diffusers.models.transformers.transformer_hidream_image import rope
+    g = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(b, s, h, d, generator=g).to(dtype) for _ in range(2))
+    if matrices == "rotation":
+        pos = (torch.arange(b * s, dtype=torch.float64).view(b, s) * 7) % 11
+        f = rope(pos, d, 10000).unsqueeze(2)
+    else:
+        f = torch.randn(b, s, 1, d // 2, 2, 2, generator=g)
+    return q, k, f
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["f32", "bf16", "fp16"])
+@pytest.mark.parametrize("matrices", ["rotation", "any"])
+def test_matrix_rope_becomes_the_op_bit_for_bit(dtype, matrices):
+    """Each of q and k becomes one interleaved sd.rope_apply.v1 whose tables come from the
+    matrices' entries, bit for bit eager's even for matrices that are no rotation (the tables
+    take each entry where the matrix form uses it, so nothing about F is assumed)."""
+    args = _matrix_inputs(dtype, matrices=matrices)
+    if matrices == "rotation":
+        f = args[2]
+        assert torch.equal(f[..., 0, 0], f[..., 1, 1]) and torch.equal(f[..., 0, 1], -f[..., 1, 0])
+    _assert_one_exact_rope(_matrix_rope, args, "rope_apply_cpu", n=2)
+    text = fxbackend.explain(_matrix_rope, *args)
+    assert text.count("sd.rope_apply.v1(%") == 2 and "{mode=interleaved, n_rot=12}" in text
+
+
+def test_matrix_rope_on_part_of_the_head_stays_exact():
+    # HiDream rotates the first half of the head when its tables are shorter: chunk, rope, cat
+    def f(q, k, fc):
+        q1, q2 = q.chunk(2, dim=-1)
+        k1, k2 = k.chunk(2, dim=-1)
+        q1, k1 = _matrix_rope(q1, k1, fc)
+        return torch.cat([q1, q2], -1), torch.cat([k1, k2], -1)
+
+    q, k, _ = _matrix_inputs(torch.bfloat16, d=16)
+    _, _, fc = _matrix_inputs(torch.bfloat16, d=8)
+    _assert_one_exact_rope(f, (q, k, fc), "rope_apply_cpu", n=2)
+
+
+@pytest.mark.parametrize("case", ["float64_matrices", "even_features_twice",
+                                  "pair_read_elsewhere"])
+def test_matrix_rope_declines(case):
+    q, k, fc = _matrix_inputs(torch.float32)
+    if case == "float64_matrices":  # float64 products: not the op's float32 maths
+        fc = fc.double()
+
+    def f(q, k, fc):
+        q_ = q.reshape(*q.shape[:-1], -1, 1, 2)
+        if case == "pair_read_elsewhere":
+            out = fc[..., 0] * q_[..., 0] + fc[..., 1] * q_[..., 1]
+            return out.reshape(*q.shape), q_ * 2  # q_ escapes
+        if case == "even_features_twice":  # x[2i+1] unread: no rotation of the pairs
+            return (fc[..., 0] * q_[..., 0] + fc[..., 1] * q_[..., 0]).reshape(*q.shape), k
+        return _matrix_rope(q, k, fc)
+
+    with torch.no_grad():
+        got = torch.compile(f, backend="fxbackend")(q, k, fc)
+        want = f(q, k, fc)
+    for g_, w in zip(got, want):
+        assert torch.equal(g_, w)
+    assert "rope" not in fxbackend.stats()["rewrites_by_rule"]
 
 
 def test_unregister_rewrite_by_class_and_unknown_rule():
