@@ -70,16 +70,18 @@ needs a change here or a cleared cache.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
-import fxbackend
-from fxbackend import TensorMeta, services
+from fxbackend import TensorMeta
 from fxbackend.patterns.gated_residual import epilogue_layout, epilogue_why_not
-from fxbackend.patterns.int8 import (REGULAR_HADAMARD_GROUPS, check_linear, hadamard_stages,
-                                     packed_nbytes, padded_rows, unpack)
-from fxbackend.patterns.int8_fusions import (PRE_ACTS, expand_scale_shift, packed_out,
-                                             register_int8_fusions)
+from fxbackend.patterns.int8 import (FLOATS, REGULAR_HADAMARD_GROUPS, check_linear,
+                                     hadamard_stages, packed_nbytes, padded_rows)
+from fxbackend.patterns.int8_fusions import (ACT_IDS, PRE_ACTS, SCALE_OPS, FusedKernel,
+                                             bias_dtype, direct_gemm, expand_scale_shift,
+                                             never_raises, packed_out, register_int8_fusions)
 from fxbackend.patterns.rmsnorm import rms_norm_out_dtype
 
 from . import _numba
@@ -91,23 +93,18 @@ from . import rmsnorm as _rms
 from ._vmath import _expf, _silu
 from .activation import _gelu_erf, _gelu_tanh
 from .gated_residual import _row_strided, _row_unit
-from .int8 import _quantize_row, quantize_rows_cpu
+from .int8 import _quantize_row
 from .modulation import _load_row, _modulate, _row_offsets, _row_stats
 from .rmsnorm import _inv_rms, _normed, _round_as
 from .rope import (_NP_OF, _bcast_offsets, _compile_lock, _flat, _load, _set_threads,
                    _store, _why_not_metas)
 
-__all__ = ["int8_gated_residual_cpu", "int8_linear_act_quantize_cpu", "modulation_quantize_cpu",
-           "rms_norm_quantize_cpu", "act_quantize_cpu", "compile_kernels",
-           "Int8GatedResidualCPU", "Int8LinearActQuantizeCPU",
-           "ModulationQuantizeCPU", "RmsNormQuantizeCPU", "PrologueQuantizeCPU", "Int8LinearCastCPU",
-           "int8_linear_act_cpu", "Int8LinearActCPU"]
+__all__ = ["int8_gated_residual_cpu", "int8_linear_act_quantize_cpu", "int8_linear_act_cpu",
+           "modulation_quantize_cpu", "rms_norm_quantize_cpu", "act_quantize_cpu",
+           "compile_kernels", "KERNELS"]
 
 #: ``numba.prange`` once numba is imported (see ``cpu_kernels/_numba.py``); ``range`` until then
 prange = range
-_OPS = {None: 0, "mul": 1, "div": 2}
-#: activation codes of the prologue kernel (0: none)
-_ACT_ID = {None: 0, **{a: k + 1 for k, a in enumerate(PRE_ACTS)}}
 #: elements per parallel task at least (numba's per-task cost is ~1 us)
 _MIN_TASK_ELEMS = 16384
 
@@ -368,16 +365,11 @@ def _packed_views(out: torch.Tensor, m: int, k: int) -> tuple:
             mp)
 
 
-def _check_cancelled() -> None:
-    token = services.current_token()
-    if token is not None and token.cancelled:
-        raise services.Cancelled("the plan was cancelled")
-
-
 # -- int8_gated_residual ---------------------------------------------------------------------------
 
 def _gr_launch(acc, xs, ws, bias, gate, res, out, y_shape, scale_op, scale,
                dtype=torch.float32) -> None:
+    """The epilogue of ``int8_gated_residual`` (module docstring) from the int32 ``acc``."""
     lay = epilogue_layout(tuple(y_shape), tuple(gate.shape), tuple(gate.stride()),
                           tuple(res.shape), tuple(res.stride()), tuple(out.stride()))
     if lay.spans[0] == 0:
@@ -390,19 +382,7 @@ def _gr_launch(acc, xs, ws, bias, gate, res, out, y_shape, scale_op, scale,
     k(_flat(acc, lay.spans[0]), _flat(xs, lay.nb * lay.ns), _flat(ws, n), b, bias is not None,
       _flat(gate, lay.spans[1]), _flat(res, lay.spans[2]), _flat(out, lay.spans[3]), lay.nb,
       lay.ns, n, *lay.g, *lay.r, *lay.o, np.float32(1.0 if scale is None else scale),
-      _OPS[scale_op], rows, np.zeros(0, _NP_OF[dtype]), _gr._no_bias(dtype, n))
-
-
-def _gemm(qx: torch.Tensor, qw: torch.Tensor, acc: torch.Tensor) -> None:
-    torch._int_mm(qx, qw.t(), out=acc)
-
-
-def _gemm_checked(qx: torch.Tensor, qw: torch.Tensor, acc: torch.Tensor) -> None:
-    """The GEMM phase of a fused step, with the plan's cancellation checked before and
-    after it (between the phases)."""
-    _check_cancelled()
-    _gemm(qx, qw, acc)
-    _check_cancelled()
+      SCALE_OPS[scale_op], rows, np.zeros(0, _NP_OF[dtype]), _gr._no_bias(dtype, n))
 
 
 def int8_gated_residual_cpu(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
@@ -432,62 +412,13 @@ def int8_gated_residual_cpu(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Ten
         why = epilogue_why_not(TensorMeta.contiguous(y_shape, torch.float32, out.device),
                                TensorMeta.of(gate), TensorMeta.of(residual), TensorMeta.of(out),
                                "cpu")
-    if why is None and scale_op not in _OPS:
+    if why is None and scale_op not in SCALE_OPS:
         why = f"scale_op {scale_op!r} (None, 'mul' or 'div')"
     if why is not None:
         raise ValueError(f"int8_gated_residual_cpu: unsupported input: {why}")
-    if x_kind == "float":
-        xq = _i8.quantize_i8_convrot_cpu(x.reshape(M, K), group)
-        qx, xs = unpack(xq, M, K)
-    elif x_kind == "packed":
-        qx, xs = unpack(x, M, K)
-    else:
-        qx, xs = x.reshape(M, K), x_scale.reshape(M)
-    acc = out.view(torch.int32).view(M, N) if out.is_contiguous() else \
-        torch.empty(M, N, dtype=torch.int32)
-    _gemm(qx, w, acc)
+    acc, xs = direct_gemm(_i8.DEVICE, x_kind, group, M, K, N, x, x_scale, w, out)
     _gr_launch(acc, xs, w_scale, bias, gate, residual, out, y_shape, scale_op, scale)
     return out
-
-
-class Int8GatedResidualCPU:
-    """``int8_gated_residual`` on the CPU (interface:
-    ``fxbackend.patterns.int8_fusions.Int8GatedResidualFusion``): ``torch._int_mm`` and the
-    numba epilogue; cancellation is checked between the phases."""
-
-    name = "int8_gated_residual_cpu"
-
-    def why_not_linear(self, node) -> str | None:
-        return _i8.linear_why_not(node)
-
-    def why_not(self, y, gate, residual, out) -> str | None:
-        return epilogue_why_not(y, gate, residual, out, "cpu")
-
-    @staticmethod
-    def _compile_linear(linear) -> torch.dtype | None:
-        """Compile the quantize kernels the linear's operands need (a float x, a float weight);
-        returns the bias's dtype (None: no bias)."""
-        p = linear.params
-        metas = [s.meta for s in linear.srcs]
-        if p["x_kind"] == "float":
-            _i8.compile_kernels(metas[0].dtype, None, epilogue=False)
-        if p["w_kind"] == "float":
-            _i8.compile_kernels(metas[1].dtype, None, epilogue=False)
-        return metas[-1].dtype if p.get("has_bias") else None
-
-    #: chain dtypes this kernel fuses (a 16-bit layer's cast rounds the linear's value)
-    gr_dtypes = (torch.float32, torch.bfloat16, torch.float16)
-
-    def compile(self, linear, y, gate, residual, out, scale_op) -> None:
-        compile_kernels("gr", self._compile_linear(linear), y.dtype)
-
-    def quantize(self, x, group, q, scales, m, mp) -> None:
-        quantize_rows_cpu(x, group, q, scales, m, mp)
-
-    def run(self, qx, xs, qw, ws, bias, acc, gate, residual, out, *, y_shape, scale_op, scale,
-            dtype=torch.float32):
-        _gemm_checked(qx, qw, acc)
-        _gr_launch(acc, xs, ws, bias, gate, residual, out, y_shape, scale_op, scale, dtype)
 
 
 # -- int8_linear_act_quantize ----------------------------------------------------------------------
@@ -521,7 +452,7 @@ def _actq_launch(acc, xs, ws, bias, out, act, group, dtype=torch.float32) -> Non
     chunk = _chunk(mp, n, _set_threads())
     b = _flat(bias, n) if bias is not None else np.zeros(0, np.float32)
     k(_flat(acc, m * n), _flat(xs, m), _flat(ws, n), b, bias is not None, q, sc, m, mp, n,
-      _ACT_ID[act], nst, np.float32(2.0 ** -nst), chunk, np.zeros(0, _NP_OF[dtype]))
+      ACT_IDS[act], nst, np.float32(2.0 ** -nst), chunk, np.zeros(0, _NP_OF[dtype]))
 
 
 def int8_linear_act_quantize_cpu(qx: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
@@ -535,7 +466,7 @@ def int8_linear_act_quantize_cpu(qx: torch.Tensor, x_scale: torch.Tensor, w: tor
     (into ``out`` when given).  ``dtype`` bfloat16/float16: a 16-bit layer's chain (the
     linear's value cast to it, the activation computed on that and rounded to it).  ValueError
     for inputs the kernels do not take."""
-    if dtype not in Int8LinearActQuantizeCPU.act_dtypes:
+    if dtype not in FLOATS:
         raise ValueError(f"int8_linear_act_quantize_cpu: dtype {dtype} (float32, bfloat16 or "
                          f"float16)")
     who = "int8_linear_act_quantize_cpu"
@@ -544,66 +475,15 @@ def int8_linear_act_quantize_cpu(qx: torch.Tensor, x_scale: torch.Tensor, w: tor
         out = torch.empty(packed_nbytes(M, N), dtype=torch.int8)
     _int8_call_check(who, metas, _why_not_act(M, N, TensorMeta.of(out), act, group))
     acc = torch.empty(M, N, dtype=torch.int32)
-    _gemm(qx, w, acc)
+    _i8._gemm(qx, w, acc)
     _actq_launch(acc, x_scale, w_scale, bias, out, act, group, dtype)
     return out
 
 
-def _why_not_act(m, n, out, act, group) -> str | None:
+def _why_not_act(m, n, out, act, group, **_) -> str | None:
     if act not in PRE_ACTS:
         return f"activation {act!r} (one of {PRE_ACTS})"
     return _why_not_group(n, group) or _why_not_out(out, m, n)
-
-
-class Int8LinearActQuantizeCPU(Int8GatedResidualCPU):
-    """``int8_linear_act_quantize`` on the CPU (interface:
-    ``fxbackend.patterns.int8_fusions.Int8LinearActQuantizeFusion``): ``torch._int_mm`` into
-    workspace, then the numba pass; cancellation is checked between the phases."""
-
-    name = "int8_linear_act_quantize_cpu"
-
-    def why_not_act(self, m, n, out, act, group) -> str | None:
-        try:
-            return _why_not_act(m, n, out, act, group)
-        except Exception as exc:
-            return f"metadata not understood ({type(exc).__name__}: {exc})"
-
-    #: chain dtypes this kernel fuses (a 16-bit layer's cast rounds the linear's value)
-    act_dtypes = (torch.float32, torch.bfloat16, torch.float16)
-
-    def compile_act(self, linear, act, group, dtype=torch.float32) -> None:
-        compile_kernels("actq", self._compile_linear(linear), dtype)
-
-    def run_act(self, qx, xs, qw, ws, bias, acc, out, *, act, group,
-                dtype=torch.float32) -> None:
-        _gemm_checked(qx, qw, acc)
-        _actq_launch(acc, xs, ws, bias, out, act, group, dtype)
-
-
-# -- int8_linear_cast ------------------------------------------------------------------------------
-
-class Int8LinearCastCPU(Int8GatedResidualCPU):
-    """``int8_linear_cast`` on the CPU (interface:
-    ``fxbackend.patterns.int8_fusions.Int8LinearCastFusion``): ``torch._int_mm`` into
-    workspace, then ``sd.linear_i8.v1``'s epilogue (``cpu_kernels/int8.py``) storing the
-    16-bit output; cancellation is checked between the phases."""
-
-    name = "int8_linear_cast_cpu"
-
-    def why_not_cast(self, out) -> str | None:
-        if out.dtype not in (torch.bfloat16, torch.float16):
-            return f"output dtype {out.dtype} (bfloat16 or float16)"
-        if out.device.type != "cpu":
-            return f"the output is on {out.device}"
-        return None
-
-    def compile_cast(self, linear, dtype) -> None:
-        _i8.compile_kernels(None, self._compile_linear(linear), out_dtype=dtype)
-
-    def run_cast(self, qx, xs, qw, ws, bias, acc, out) -> None:
-        _gemm_checked(qx, qw, acc)
-        m, n = acc.shape
-        _i8._epilogue(acc, out, xs, ws, bias, m, n)
 
 
 # -- int8_linear_act -------------------------------------------------------------------------------
@@ -626,7 +506,7 @@ def _act_launch(acc, xs, ws, bias, out, act, dtype=torch.float32) -> None:
     chunk = _chunk(m, n, _set_threads())
     b = _flat(bias, n) if bias is not None else np.zeros(0, np.float32)
     k(_flat(acc, m * n), _flat(xs, m), _flat(ws, n), b, bias is not None,
-      _flat(rows, (m - 1) * osr + n), m, n, osr, _ACT_ID[act], chunk,
+      _flat(rows, (m - 1) * osr + n), m, n, osr, ACT_IDS[act], chunk,
       np.zeros(0, _NP_OF[dtype]))
 
 
@@ -640,7 +520,7 @@ def int8_linear_act_cpu(qx: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor
     stride; a new tensor when None).  ``dtype`` bfloat16/float16: a 16-bit layer's chain (the
     linear's value cast to it, the activation computed on that and rounded to it).  ValueError
     for inputs the kernels do not take."""
-    if dtype not in Int8LinearActCPU.act_out_dtypes:
+    if dtype not in FLOATS:
         raise ValueError(f"int8_linear_act_cpu: dtype {dtype} (float32, bfloat16 or float16)")
     who = "int8_linear_act_cpu"
     metas, M, N = _int8_call_metas(who, qx, x_scale, w, w_scale, bias)
@@ -648,12 +528,12 @@ def int8_linear_act_cpu(qx: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor
         out = torch.empty(M, N, dtype=dtype)
     _int8_call_check(who, metas, _why_not_act_out(M, N, TensorMeta.of(out), act, dtype))
     acc = torch.empty(M, N, dtype=torch.int32)
-    _gemm(qx, w, acc)
+    _i8._gemm(qx, w, acc)
     _act_launch(acc, x_scale, w_scale, bias, out, act, dtype)
     return out
 
 
-def _why_not_act_out(m, n, out, act, dtype) -> str | None:
+def _why_not_act_out(m, n, out, act, dtype, **_) -> str | None:
     if act not in PRE_ACTS:
         return f"activation {act!r} (one of {PRE_ACTS})"
     if out.dtype != dtype or out.device.type != "cpu":
@@ -661,32 +541,6 @@ def _why_not_act_out(m, n, out, act, dtype) -> str | None:
     if out.numel != m * n or (out.shape and out.shape[-1] != n):
         return f"the output {out.short()} does not hold [{m}, {n}] rows"
     return None
-
-
-class Int8LinearActCPU(Int8GatedResidualCPU):
-    """``int8_linear_act`` on the CPU (interface:
-    ``fxbackend.patterns.int8_fusions.Int8LinearActFusion``): ``torch._int_mm`` into workspace,
-    then one numba pass (epilogue, activation, store); cancellation is checked between the
-    phases.  Writes rows of any stride (a slice of a concatenation: ``strided_out``)."""
-
-    name = "int8_linear_act_cpu"
-    strided_out = True
-    #: chain dtypes this kernel fuses (a 16-bit layer's cast rounds the linear's value)
-    act_out_dtypes = (torch.float32, torch.bfloat16, torch.float16)
-
-    def why_not_act_out(self, m, n, out, act, dtype) -> str | None:
-        try:
-            return _why_not_act_out(m, n, out, act, dtype)
-        except Exception as exc:
-            return f"metadata not understood ({type(exc).__name__}: {exc})"
-
-    def compile_linear_act(self, linear, act, dtype=torch.float32) -> None:
-        compile_kernels("act", self._compile_linear(linear), dtype)
-
-    def run_linear_act(self, qx, xs, qw, ws, bias, acc, out, *, act,
-                       dtype=torch.float32) -> None:
-        _gemm_checked(qx, qw, acc)
-        _act_launch(acc, xs, ws, bias, out, act, dtype)
 
 
 # -- the quantize-feeding kernels: launchers -------------------------------------------------------
@@ -710,7 +564,7 @@ def _why_not_out(out, m, k) -> str | None:
     return None
 
 
-def _modq_why_not(x, scale, shift, out, norm, group) -> str | None:
+def _modq_why_not(x, scale, shift, out, norm, group, **_) -> str | None:
     why = _mod.why_not(x, scale, shift, TensorMeta.contiguous(tuple(x.shape), x.dtype,
                                                               x.device), norm) \
         if isinstance(x, TensorMeta) else "x is not a tensor"
@@ -754,10 +608,9 @@ def modulation_quantize_cpu(x: torch.Tensor, scale: torch.Tensor, shift: torch.T
     return out
 
 
-def _rmsq_why_not(x, w, norm_out, out, group) -> str | None:
+def _rmsq_why_not(x, w, out, norm_dtype, group, **_) -> str | None:
     why = _rms._why_not_tensors(x, w) if isinstance(x, TensorMeta) else "x is not a tensor"
-    if why is None and (not isinstance(norm_out, TensorMeta) or norm_out.dtype not in _NP_OF
-                        or tuple(norm_out.shape) != tuple(x.shape)):
+    if why is None and norm_dtype not in _NP_OF:
         why = "the norm's output metadata"
     if why is None:
         k = int(x.shape[-1])
@@ -791,8 +644,7 @@ def rms_norm_quantize_cpu(x: torch.Tensor, weight: torch.Tensor | None, eps: flo
     out = packed_out(x, out)
     nd = rms_norm_out_dtype(x.dtype, None if weight is None else weight.dtype, weight_in_float)
     TM = TensorMeta.of
-    why = _rmsq_why_not(TM(x), None if weight is None else TM(weight),
-                        TensorMeta.contiguous(tuple(x.shape), nd, x.device), TM(out), group)
+    why = _rmsq_why_not(TM(x), None if weight is None else TM(weight), TM(out), nd, group)
     if why is None and (not isinstance(eps, (int, float)) or not eps >= 0):
         why = f"eps {eps!r}"
     if why is not None:
@@ -803,14 +655,14 @@ def rms_norm_quantize_cpu(x: torch.Tensor, weight: torch.Tensor | None, eps: flo
     return out
 
 
-def _preq_why_not(x, other, out, act, scale_op, group) -> str | None:
+def _preq_why_not(x, other, out, act, scale_op, group, **_) -> str | None:
     metas = (x,) if other is None else (x, other)
     why = _why_not_metas(metas)
     if why is not None:
         return why
     if x.dtype not in _NP_OF or (other is not None and other.dtype != x.dtype):
         return "dtypes (one of float32, bfloat16, float16 for x and the multiplier)"
-    if act not in _ACT_ID or scale_op not in _OPS:
+    if act not in ACT_IDS or scale_op not in SCALE_OPS:
         return f"activation {act!r} / scale {scale_op!r}"
     if not x.shape:
         return "x is a scalar"
@@ -831,8 +683,8 @@ def _preq_launch(rows, x, other, out, act, scale_op, scale, group) -> None:
     chunk = _chunk(mp, d, _set_threads())
     o = _flat(other, rows.spans[1]) if other is not None else np.zeros(0, _NP_OF[x.dtype])
     fn(_flat(x, rows.spans[0]), o, q, sc, rows.bt, d, rows.fs[0],
-       rows.fs[1] if other is not None else 1, _ACT_ID[act], other is not None,
-       np.float32(1.0 if scale is None else scale), _OPS[scale_op], m, mp, nst,
+       rows.fs[1] if other is not None else 1, ACT_IDS[act], other is not None,
+       np.float32(1.0 if scale is None else scale), SCALE_OPS[scale_op], m, mp, nst,
        np.float32(2.0 ** -nst), chunk)
 
 
@@ -912,80 +764,108 @@ def compile_kernels(kind: str, dtype: torch.dtype | None, other_dtype=None) -> N
             raise ValueError(f"compile_kernels: kind {kind!r} (gr, actq, act, mod, pre, rms)")
 
 
-# -- the quantize-feeding implementations ----------------------------------------------------------
+# -- the kernels of the rules (patterns/int8_fusions.FusedKernel) ----------------------------------
 
-class ModulationQuantizeCPU:
-    """``modulation_quantize`` on the CPU (interface:
-    ``fxbackend.patterns.int8_fusions.ModulationQuantizeFusion``).  The row table is cached by
-    strides."""
-
-    name = "modulation_quantize_cpu"
-
-    def __init__(self) -> None:
-        self._rows: dict = {}
-
-    def why_not(self, x, scale, shift, out, norm, group) -> str | None:
-        try:
-            return _modq_why_not(x, scale, shift, out, norm, group)
-        except Exception as exc:  # never raise: decline with the reason
-            return f"metadata not understood ({type(exc).__name__}: {exc})"
-
-    def compile(self, x, scale, shift, out, norm, has_add, group) -> None:
-        compile_kernels("mod", x.dtype)
-
-    def run(self, x, scale, shift, out, *, norm, eps, add_c, group) -> None:
-        key = (tuple(x.shape), x.stride(), scale.stride(), shift.stride())
-        rows = self._rows.get(key)
-        if rows is None:
-            if len(self._rows) > 64:
-                self._rows.clear()
-            rows = self._rows[key] = _mod._rows(tuple(x.shape), x.stride(), scale.stride(),
-                                                shift.stride())
-        _modq_launch(rows, x, scale, shift, out, norm, eps, add_c, group)
+def _gr_why_not(y, out, gate, residual, **_) -> str | None:
+    return epilogue_why_not(y, gate, residual, out, "cpu")
 
 
-class RmsNormQuantizeCPU:
-    """``rms_norm_quantize`` on the CPU (interface:
-    ``fxbackend.patterns.int8_fusions.RmsNormQuantizeFusion``)."""
-
-    name = "rms_norm_quantize_cpu"
-
-    def why_not(self, x, w, norm_out, out, group, weight_in_float=False) -> str | None:
-        try:
-            return _rmsq_why_not(x, w, norm_out, out, group)
-        except Exception as exc:
-            return f"metadata not understood ({type(exc).__name__}: {exc})"
-
-    def compile(self, x, w, norm_out, out, group) -> None:
-        compile_kernels("rms", x.dtype, (None if w is None else w.dtype, norm_out.dtype))
-        if w is not None and w.dtype != torch.float32:  # weight_in_float passes it as float32
-            compile_kernels("rms", x.dtype, (torch.float32, norm_out.dtype))
-
-    def run(self, x, w, out, *, eps, norm_dtype, weight_in_float, group) -> None:
-        if w is not None and weight_in_float:
-            w = w.float()
-        _rmsq_launch(_rms._rows(x.shape, x.stride()), x, w, out, eps, norm_dtype, group)
+def _gr_run(acc, xs, ws, bias, out, gate, residual, *, y_shape, scale_op, scale,
+            dtype=torch.float32) -> None:
+    _gr_launch(acc, xs, ws, bias, gate, residual, out, y_shape, scale_op, scale, dtype)
 
 
-class PrologueQuantizeCPU:
-    """``act_quantize`` and ``scale_quantize`` on the CPU (interface:
-    ``fxbackend.patterns.int8_fusions._PrologueQuantize``)."""
-
-    name = "prologue_quantize_cpu"
-
-    def why_not(self, x, other, out, act, scale_op, group) -> str | None:
-        try:
-            return _preq_why_not(x, other, out, act, scale_op, group)
-        except Exception as exc:
-            return f"metadata not understood ({type(exc).__name__}: {exc})"
-
-    def compile(self, x, other, out, act, scale_op, group) -> None:
-        compile_kernels("pre", x.dtype)
-
-    def run(self, x, other, out, *, act, scale_op, scale, group) -> None:
-        _preq_launch(_preq_rows(x, other), x, other, out, act, scale_op, scale, group)
+def _rows_why_not(why_not):
+    """A check on ``(m, n, out, ...)`` as a rule's ``why_not(y, out, ...)`` (rows of y)."""
+    def on_y(y, out, **kw) -> str | None:
+        n = y.shape[-1]
+        return why_not(y.numel // n, n, out, **kw)
+    return never_raises(on_y)
 
 
-register_int8_fusions("cpu", Int8GatedResidualCPU(), Int8LinearActQuantizeCPU(),
-                      ModulationQuantizeCPU(), RmsNormQuantizeCPU(), PrologueQuantizeCPU(),
-                      linear_cast=Int8LinearCastCPU(), linear_act=Int8LinearActCPU())
+def _cast_why_not(y, out, **_) -> str | None:
+    if out.dtype not in (torch.bfloat16, torch.float16):
+        return f"output dtype {out.dtype} (bfloat16 or float16)"
+    if out.device.type != "cpu":
+        return f"the output is on {out.device}"
+    return None
+
+
+def _compile_epilogue(kind: str):
+    """A rule's ``compile(linear, y, out, ...)`` of the epilogue kernel ``kind`` for the
+    linear's bias and the chain's dtype."""
+    def compile_(linear, y, out, *operands, dtype=torch.float32, **_) -> None:
+        compile_kernels(kind, bias_dtype(linear), dtype)
+    return compile_
+
+
+def _cast_compile(linear, y, out, **_) -> None:
+    _i8.compile_kernels(None, bias_dtype(linear), out_dtype=out.dtype)
+
+
+def _cast_run(acc, xs, ws, bias, out, **_) -> None:
+    _i8._epilogue(acc, out, xs, ws, bias, *acc.shape)
+
+
+@functools.lru_cache(maxsize=64)
+def _mod_rows(shape, xst, sst, hst):
+    return _mod._rows(shape, xst, sst, hst)
+
+
+def _modq_run(x, scale, shift, out, *, norm, eps, add_c, group) -> None:
+    rows = _mod_rows(tuple(x.shape), x.stride(), scale.stride(), shift.stride())
+    _modq_launch(rows, x, scale, shift, out, norm, eps, add_c, group)
+
+
+def _modq_compile(x, scale, shift, out, **_) -> None:
+    compile_kernels("mod", x.dtype)
+
+
+def _rmsq_run(x, w, out, *, eps, norm_dtype, weight_in_float, group) -> None:
+    if w is not None and weight_in_float:
+        w = w.float()
+    _rmsq_launch(_rms._rows(x.shape, x.stride()), x, w, out, eps, norm_dtype, group)
+
+
+def _rmsq_compile(x, w, out, *, norm_dtype, **_) -> None:
+    compile_kernels("rms", x.dtype, (None if w is None else w.dtype, norm_dtype))
+    if w is not None and w.dtype != torch.float32:  # weight_in_float passes it as float32
+        compile_kernels("rms", x.dtype, (torch.float32, norm_dtype))
+
+
+def _preq_run(x, other, out, *, act, scale_op, scale, group) -> None:
+    _preq_launch(_preq_rows(x, other), x, other, out, act, scale_op, scale, group)
+
+
+def _preq_compile(x, other, out, **_) -> None:
+    compile_kernels("pre", x.dtype)
+
+
+#: ``act_quantize`` and ``scale_quantize``: one kernel
+_PROLOGUE = FusedKernel("prologue_quantize_cpu", never_raises(_preq_why_not), _preq_run,
+                        _preq_compile)
+#: the CPU's kernel of each rule of ``patterns/int8_fusions.py``; the rules after a linear
+#: run ``torch._int_mm`` (``cpu_kernels/int8.DEVICE``) with the plan's cancellation checked
+#: before and after it
+KERNELS = {
+    "int8_gated_residual": FusedKernel("int8_gated_residual_cpu", _gr_why_not, _gr_run,
+                                       _compile_epilogue("gr"), dtypes=FLOATS),
+    "int8_linear_act_quantize": FusedKernel(
+        "int8_linear_act_quantize_cpu", _rows_why_not(_why_not_act), _actq_launch,
+        _compile_epilogue("actq"), dtypes=FLOATS),
+    # writes rows of any stride (Flux's single-stream MLP: a slice of a concatenation)
+    "int8_linear_act": FusedKernel("int8_linear_act_cpu", _rows_why_not(_why_not_act_out),
+                                   _act_launch, _compile_epilogue("act"), dtypes=FLOATS,
+                                   strided_out=True),
+    # sd.linear_i8.v1's own epilogue (cpu_kernels/int8.py) storing the 16-bit output
+    "int8_linear_cast": FusedKernel("int8_linear_cast_cpu", _cast_why_not, _cast_run,
+                                    _cast_compile),
+    "modulation_quantize": FusedKernel("modulation_quantize_cpu", never_raises(_modq_why_not),
+                                       _modq_run, _modq_compile),
+    "rms_norm_quantize": FusedKernel("rms_norm_quantize_cpu", never_raises(_rmsq_why_not),
+                                     _rmsq_run, _rmsq_compile),
+    "act_quantize": _PROLOGUE,
+    "scale_quantize": _PROLOGUE,
+}
+
+register_int8_fusions("cpu", _i8.DEVICE, KERNELS)

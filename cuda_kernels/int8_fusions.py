@@ -50,7 +50,6 @@ from typing import Any
 
 import torch
 
-import fxbackend
 from fxbackend import TensorMeta
 from fxbackend.cuda_kernels import activation as _actk
 from fxbackend.cuda_kernels import gated_residual as _grk
@@ -63,25 +62,22 @@ from fxbackend.cuda_kernels.rope import (DTYPES, MAX_LEAD_DIMS, _launch_on, _mer
                                          _next_pow2, _warmup_on, lazy_kernel)
 from fxbackend.patterns.gated_residual import epilogue_why_not
 from fxbackend.patterns.int8 import (REGULAR_HADAMARD_GROUPS, check_linear, hadamard_stages,
-                                     linear_srcs, packed_nbytes, padded_rows, unpack)
-from fxbackend.patterns.int8_fusions import (PRE_ACTS, expand_scale_shift, packed_out,
-                                             register_int8_fusions)
+                                     packed_nbytes, padded_rows)
+from fxbackend.patterns.int8_fusions import (ACT_IDS, PRE_ACTS, SCALE_OPS, FusedKernel,
+                                             bias_dtype, direct_gemm, expand_scale_shift,
+                                             packed_out, register_int8_fusions)
 from fxbackend.patterns.modulation import NORMS
 from fxbackend.patterns.rmsnorm import rms_norm_out_dtype
 
 __all__ = ["int8_gated_residual_triton", "int8_linear_act_quantize_triton",
            "modulation_quantize_triton", "rms_norm_quantize_triton", "act_quantize_triton",
-           "Int8GatedResidualCUDA", "Int8LinearActQuantizeCUDA", "Int8LinearCastCUDA",
-           "ModulationQuantizeCUDA", "RmsNormQuantizeCUDA", "PrologueQuantizeCUDA", "MAX_D"]
+           "KERNELS", "MAX_D"]
 
 #: the widest row the norm-quantize kernels hold in registers (the quantize kernel's one-pass
 #: limit)
 MAX_D = _i8.MAX_BLOCK
 #: triton.language, bound on first use (``rope.lazy_kernel``)
 tl: Any = None
-_OPS = {None: 0, "mul": 1, "div": 2}
-#: activation codes of the prologue kernel: 0 none, 1.. PRE_ACTS (sigmoid last)
-_ACT_ID = {None: 0, **{a: k + 1 for k, a in enumerate(PRE_ACTS)}}
 #: output dtype codes of ``_round_to``
 _DT_ID = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -325,14 +321,6 @@ def _gr_launch(p, acc, xs, ws, bias, gate, res, out, scale_op, scale) -> None:
                     BLOCK_C=block_c, num_warps=_grk.NUM_WARPS, enable_fp_fusion=False))
 
 
-def _gemm(qx, qw, acc) -> None:
-    if acc.device.type == "cuda":
-        with torch.cuda.device(acc.device):  # the current stream of acc's device
-            torch._int_mm(qx, qw.t(), out=acc)
-    else:  # the interpreter's CPU tensors
-        torch._int_mm(qx, qw.t(), out=acc)
-
-
 def int8_gated_residual_triton(x, w, w_scale, x_scale=None, bias=None, *, gate, residual,
                                x_kind, group=1, m=-1, lead=(), y_shape=None, scale_op=None,
                                scale=None, out=None, block=None) -> torch.Tensor:
@@ -358,73 +346,9 @@ def int8_gated_residual_triton(x, w, w_scale, x_scale=None, bias=None, *, gate, 
         p = _gr_plan(y_shape, gate, residual, out)
     except ValueError as e:
         raise ValueError(f"int8_gated_residual_triton: {e}") from None
-    if x_kind == "float":
-        xq = _i8.quantize_i8_convrot_triton(x.reshape(M, K).contiguous(), group, block=block)
-        qx, xs = unpack(xq, M, K)
-    elif x_kind == "packed":
-        qx, xs = unpack(x, M, K)
-    else:
-        qx, xs = x.reshape(M, K), x_scale.reshape(M)
-    acc = out.view(torch.int32).view(M, N) if out.is_contiguous() else \
-        torch.empty(M, N, dtype=torch.int32, device=out.device)
-    _gemm(qx, w, acc)
+    acc, xs = direct_gemm(_i8._device(block), x_kind, group, M, K, N, x, x_scale, w, out)
     _gr_launch(p, acc, xs, w_scale, bias, gate, residual, out, scale_op, scale)
     return out
-
-
-class Int8GatedResidualCUDA:
-    """``int8_gated_residual`` on CUDA (interface:
-    ``fxbackend.patterns.int8_fusions.Int8GatedResidualFusion``): ``torch._int_mm`` then
-    ``_i8_gr_kernel``.  Not declared capture-safe: with a float weight (what the quantize
-    option produces) the step decides on the host, per call, whether the weight changed
-    (``patterns/int8.WeightState``), which a captured CUDA graph would not repeat."""
-
-    name = "int8_gated_residual_triton"
-    #: a float weight is re-quantized when the host sees it change (above): not capturable
-    capture_safe = False
-
-    def why_not_linear(self, node) -> str | None:
-        return _i8.linear_why_not(node)
-
-    def why_not(self, y, gate, residual, out) -> str | None:
-        why = epilogue_why_not(y, gate, residual, out, "cuda", _grk._plan)
-        if why is None and y.dtype != torch.float32:
-            why = f"dtype {y.dtype} (the int8 linear's output is float32)"
-        return why
-
-    def compile(self, linear, y, gate, residual, out, scale_op) -> None:
-        """Plan-time warm-up of the quantize kernels the step launches (float operands) and of
-        the epilogue (CUDA only)."""
-        dev = y.device
-        if dev.type != "cuda":
-            return
-        p = linear.params
-        metas = [s.meta for s in linear.srcs]
-        M, K, N, _ = check_linear(*_linear_metas(metas, p), x_kind=p["x_kind"],
-                                  w_kind=p["w_kind"], group=p["group"], m=p["m"],
-                                  lead=p["lead"])
-        _warm_quantize(dev, p, metas, M, K, N)
-        grid, args, block_r, block_c = _grk._plan(
-            tuple(y.shape), tuple(gate.shape), tuple(gate.stride), tuple(residual.shape),
-            tuple(residual.stride), tuple(out.stride))
-        if grid[0] == 0 or grid[1] == 0:
-            return
-        b = metas[-1] if p.get("has_bias") else None
-        _warmup_on(dev, _gr_kernel, (torch.int32, torch.float32, torch.float32,
-                                     torch.int32 if b is None else b.dtype, gate.dtype,
-                                     residual.dtype, out.dtype, *args, 1.0),
-                   dict(HAS_BIAS=b is not None, HAS_SCALE=scale_op is not None,
-                        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=_grk.NUM_WARPS,
-                        enable_fp_fusion=False, grid=grid))
-
-    def quantize(self, x, group, q, scales, m, mp) -> None:
-        _i8.quantize_rows_triton(x, group, q, scales, m, mp)
-
-    def run(self, qx, xs, qw, ws, bias, acc, gate, residual, out, *, y_shape, scale_op,
-            scale) -> None:
-        _gemm(qx, qw, acc)
-        _gr_launch(_gr_plan(y_shape, gate, residual, out), acc, xs, ws, bias, gate, residual,
-                   out, scale_op, scale)
 
 
 # -- int8_linear_act_quantize ----------------------------------------------------------------------
@@ -446,7 +370,7 @@ def _actq_launch(acc, xs, ws, bias, out, act, group, block=None) -> None:
     nst = hadamard_stages(group)
     _launch_on(acc.device, _actq()[grid],
                (acc, xs, ws, acc if bias is None else bias, q, sc, m, n, 2.0 ** -nst),
-               dict(ACT=_ACT_ID[act], HAS_BIAS=bias is not None, NST=nst, BLOCK=blk,
+               dict(ACT=ACT_IDS[act], HAS_BIAS=bias is not None, NST=nst, BLOCK=blk,
                     ONE_PASS=n <= blk, num_warps=nw, enable_fp_fusion=False))
 
 
@@ -470,89 +394,9 @@ def int8_linear_act_quantize_triton(qx, x_scale, w, w_scale, bias=None, *, act, 
     except ValueError as e:
         raise ValueError(f"int8_linear_act_quantize_triton: {e}") from None
     acc = torch.empty(M, N, dtype=torch.int32, device=qx.device)
-    _gemm(qx, w, acc)
+    _i8.int_mm(qx, w, acc)
     _actq_launch(acc, x_scale, w_scale, bias, out, act, group, block)
     return out
-
-
-class Int8LinearActQuantizeCUDA(Int8GatedResidualCUDA):
-    """``int8_linear_act_quantize`` on CUDA (interface:
-    ``fxbackend.patterns.int8_fusions.Int8LinearActQuantizeFusion``): ``torch._int_mm`` into
-    workspace, then ``_i8_actq_kernel``.  Not capture-safe, for the reason
-    :class:`Int8GatedResidualCUDA` gives."""
-
-    name = "int8_linear_act_quantize_triton"
-
-    def why_not_act(self, m, n, out, act, group) -> str | None:
-        try:
-            if act not in PRE_ACTS:
-                return f"activation {act!r} (one of {PRE_ACTS})"
-            _actq_plan(m, n, group)
-            why = _why_not_cuda((out,))
-            return why if why is not None else _why_not_out(out, m, n)
-        except (ValueError, TypeError, AttributeError) as e:
-            return str(e)
-
-    def compile_act(self, linear, act, group) -> None:
-        """Plan-time warm-up of the quantize kernels (float operands) and of the pass."""
-        dev = linear.meta.device
-        if dev.type != "cuda":
-            return
-        p = linear.params
-        metas = [s.meta for s in linear.srcs]
-        M, K, N, _ = check_linear(*_linear_metas(metas, p), x_kind=p["x_kind"],
-                                  w_kind=p["w_kind"], group=p["group"], m=p["m"],
-                                  lead=p["lead"])
-        _warm_quantize(dev, p, metas, M, K, N)
-        grid, blk, nw = _actq_plan(M, N, group)
-        b = metas[-1] if p.get("has_bias") else None
-        nst = hadamard_stages(group)
-        _warmup_on(dev, _actq, (torch.int32, torch.float32, torch.float32,
-                                torch.int32 if b is None else b.dtype, torch.int8,
-                                torch.float32, M, N, 2.0 ** -nst),
-                   dict(ACT=_ACT_ID[act], HAS_BIAS=b is not None, NST=nst, BLOCK=blk,
-                        ONE_PASS=N <= blk, num_warps=nw, enable_fp_fusion=False, grid=grid))
-
-    def run_act(self, qx, xs, qw, ws, bias, acc, out, *, act, group) -> None:
-        _gemm(qx, qw, acc)
-        _actq_launch(acc, xs, ws, bias, out, act, group)
-
-
-class Int8LinearCastCUDA(Int8GatedResidualCUDA):
-    """``int8_linear_cast`` on CUDA (interface:
-    ``fxbackend.patterns.int8_fusions.Int8LinearCastFusion``): ``torch._int_mm`` into
-    workspace, then ``sd.linear_i8.v1``'s Triton epilogue storing the 16-bit output.  Not
-    capture-safe, for the reason :class:`Int8GatedResidualCUDA` gives."""
-
-    name = "int8_linear_cast_triton"
-
-    def why_not_cast(self, out) -> str | None:
-        if out.dtype not in (torch.bfloat16, torch.float16):
-            return f"output dtype {out.dtype} (bfloat16 or float16)"
-        return _why_not_cuda((out,))
-
-    def run_cast(self, qx, xs, qw, ws, bias, acc, out) -> None:
-        _gemm(qx, qw, acc)
-        _i8.epilogue_triton(acc, out, xs, ws, bias)
-
-
-def _warm_quantize(dev, p, metas, M, K, N) -> None:
-    """Plan-time warm-up of int8's quantize kernel for the float operands of a linear."""
-    nst = hadamard_stages(p["group"])
-    blk = _i8._block(K)
-    quantized = ([(metas[0], M, padded_rows(M))] if p["x_kind"] == "float" else []) + \
-        ([(metas[1], N, N)] if p["w_kind"] == "float" else [])
-    for t, rows, grid_rows in quantized:
-        _warmup_on(dev, _i8._quantize, (t.dtype, torch.int8, torch.float32, rows, K,
-                                        2.0 ** -nst),
-                   dict(NST=nst, BLOCK=blk, ONE_PASS=K <= blk,
-                        num_warps=4 if blk <= 1024 else 8, enable_fp_fusion=False,
-                        grid=(grid_rows,)))
-
-
-def _linear_metas(metas, p) -> list:
-    s = linear_srcs(metas, p)
-    return [s["x"], s["w"], s["w_scale"], s["x_scale"], s["bias"]]
 
 
 # -- the quantize-feeding kernels: launch plans (pure Python, metadata only) -----------------------
@@ -641,6 +485,18 @@ def _preq_plan(shape: tuple, xst: tuple, ost: tuple, group: int,
     return _RowLaunch((padded_rows(n_rows),), args, blk, 4 if blk <= 1024 else 8)
 
 
+def _errors_as_reasons(why_not):
+    """A kernel's check whose launch plan raises ValueError for what the kernel does not take
+    (TypeError, AttributeError for metadata it cannot read): the error's text is the reason."""
+    @functools.wraps(why_not)
+    def checked(*args, **kw) -> str | None:
+        try:
+            return why_not(*args, **kw)
+        except (ValueError, TypeError, AttributeError) as e:
+            return str(e)
+    return checked
+
+
 def _why_not_cuda(metas: tuple, any_device: bool = False) -> str | None:
     if not all(isinstance(m, TensorMeta) for m in metas):
         return "inputs are not tensors"
@@ -665,38 +521,55 @@ def _packed_parts(out, m, k) -> tuple:
     return out[:mp * k], out[mp * k:mp * k + 4 * mp].view(torch.float32)
 
 
+def _launch_packed(p: _RowLaunch, kernel, x, out, group, ins: tuple, scalars: tuple,
+                   **constexprs) -> None:
+    """A quantize-feeding kernel (``kernel()``) on ``p``'s grid: its operands ``ins``, the codes
+    and scales of the packed ``out``, p's sizes and strides, ``scalars``, then 2^-NST;
+    ``constexprs`` besides NST and the warps."""
+    if p.grid[0] == 0:
+        return
+    k = x.shape[-1]
+    q, sc = _packed_parts(out, x.numel() // k, k)
+    nst = hadamard_stages(group)
+    _launch_on(x.device, kernel()[p.grid], (*ins, q, sc, *p.args, *scalars, 2.0 ** -nst),
+               dict(constexprs, NST=nst, num_warps=p.num_warps, enable_fp_fusion=False))
+
+
+def _warm_packed(p: _RowLaunch, kernel, x, group, in_dtypes: tuple, scalars: tuple,
+                 **constexprs) -> None:
+    """Plan-time warm-up of what :func:`_launch_packed` launches (``in_dtypes``: the operands')."""
+    if p.grid[0] == 0:
+        return
+    nst = hadamard_stages(group)
+    _warmup_on(x.device, kernel, (*in_dtypes, torch.int8, torch.float32, *p.args, *scalars,
+                                  2.0 ** -nst),
+               dict(constexprs, NST=nst, num_warps=p.num_warps, enable_fp_fusion=False,
+                    grid=p.grid))
+
+
 # -- modulation_quantize ---------------------------------------------------------------------------
 
-def _modq_why_not(x, scale, shift, out, norm, group, any_device=False) -> str | None:
-    try:
-        why = _why_not_cuda((x, scale, shift, out), any_device)
-        if why is not None:
-            return why
-        if x.dtype not in DTYPES or scale.dtype != x.dtype or shift.dtype != x.dtype:
-            return "dtypes (one of float32, bfloat16, float16 for x, scale and shift)"
-        if norm not in NORMS:
-            return f"norm {norm!r} (one of {NORMS})"
-        if tuple(scale.shape) != tuple(x.shape) or tuple(shift.shape) != tuple(x.shape):
-            return "scale/shift are not expanded to x's shape"
-        _modq_plan(tuple(x.shape), tuple(x.stride), tuple(scale.stride), tuple(shift.stride),
-                   group)
-        k = int(x.shape[-1])
-        return _why_not_out(out, x.numel // k, k)
-    except (ValueError, TypeError, AttributeError) as e:
-        return str(e)
+@_errors_as_reasons
+def _modq_why_not(x, scale, shift, out, norm, group, any_device=False, **_) -> str | None:
+    why = _why_not_cuda((x, scale, shift, out), any_device)
+    if why is not None:
+        return why
+    if x.dtype not in DTYPES or scale.dtype != x.dtype or shift.dtype != x.dtype:
+        return "dtypes (one of float32, bfloat16, float16 for x, scale and shift)"
+    if norm not in NORMS:
+        return f"norm {norm!r} (one of {NORMS})"
+    if tuple(scale.shape) != tuple(x.shape) or tuple(shift.shape) != tuple(x.shape):
+        return "scale/shift are not expanded to x's shape"
+    _modq_plan(tuple(x.shape), tuple(x.stride), tuple(scale.stride), tuple(shift.stride),
+               group)
+    k = int(x.shape[-1])
+    return _why_not_out(out, x.numel // k, k)
 
 
 def _modq_launch(p: _RowLaunch, x, scale, shift, out, norm, eps, add_c, group) -> None:
-    if p.grid[0] == 0:
-        return
-    d = x.shape[-1]
-    q, sc = _packed_parts(out, x.numel() // d, d)
-    nst = hadamard_stages(group)
-    _launch_on(x.device, _modq()[p.grid],
-               (x, scale, shift, q, sc, *p.args, float(eps),
-                0.0 if add_c is None else float(add_c), 2.0 ** -nst),
-               dict(IS_RMS=norm == "rms", HAS_ADD=add_c is not None, NST=nst, BLOCK_D=p.block,
-                    num_warps=p.num_warps, enable_fp_fusion=False))
+    _launch_packed(p, _modq, x, out, group, (x, scale, shift),
+                   (float(eps), 0.0 if add_c is None else float(add_c)),
+                   IS_RMS=norm == "rms", HAS_ADD=add_c is not None, BLOCK_D=p.block)
 
 
 def modulation_quantize_triton(x, scale, shift, out=None, *, norm="layer", eps=1e-6, add_c=1.0,
@@ -717,74 +590,35 @@ def modulation_quantize_triton(x, scale, shift, out=None, *, norm="layer", eps=1
     return out
 
 
-class ModulationQuantizeCUDA:
-    """``modulation_quantize`` on CUDA (interface:
-    ``fxbackend.patterns.int8_fusions.ModulationQuantizeFusion``)."""
-
-    name = "modulation_quantize_triton"
-    #: launches only (no allocation, no host synchronisation): CUDA graphs may capture it
-    capture_safe = True
-
-    def why_not(self, x, scale, shift, out, norm, group) -> str | None:
-        return _modq_why_not(x, scale, shift, out, norm, group)
-
-    def compile(self, x, scale, shift, out, norm, has_add, group) -> None:
-        if x.device.type != "cuda":
-            return
-        p = _modq_plan(tuple(x.shape), tuple(x.stride), tuple(scale.stride),
-                       tuple(shift.stride), group)
-        if p.grid[0] == 0:
-            return
-        nst = hadamard_stages(group)
-        _warmup_on(x.device, _modq, (x.dtype, x.dtype, x.dtype, torch.int8, torch.float32,
-                                     *p.args, 1e-6, 1.0, 2.0 ** -nst),
-                   dict(IS_RMS=norm == "rms", HAS_ADD=has_add, NST=nst, BLOCK_D=p.block,
-                        num_warps=p.num_warps, enable_fp_fusion=False, grid=p.grid))
-
-    def run(self, x, scale, shift, out, *, norm, eps, add_c, group) -> None:
-        p = _modq_plan(tuple(x.shape), tuple(x.stride()), tuple(scale.stride()),
-                       tuple(shift.stride()), group)
-        _modq_launch(p, x, scale, shift, out, norm, eps, add_c, group)
-
-
 # -- rms_norm_quantize -----------------------------------------------------------------------------
 
-def _rmsq_why_not(x, w, norm_out, out, group, weight_in_float=False,
-                  any_device=False) -> str | None:
-    try:
-        why = _why_not_cuda((x, out) if w is None else (x, w, out), any_device)
-        if why is not None:
-            return why
-        if weight_in_float and w is not None and (x.dtype != torch.float32 or
-                                                  w.dtype != torch.float32):
-            return "weight_in_float (torch.nn.RMSNorm's 16-bit order): not the Triton " \
-                   "RMSNorm's order"
-        if x.dtype not in DTYPES or (w is not None and w.dtype not in DTYPES):
-            return "dtypes (float32, bfloat16 or float16)"
-        if norm_out.dtype not in _DT_ID or tuple(norm_out.shape) != tuple(x.shape):
-            return "the norm's output metadata"
-        if w is not None and (tuple(w.shape) != (x.shape[-1],) or len(w.stride) != 1):
-            return f"weight shape {tuple(w.shape)}"
-        _rmsq_plan(tuple(x.shape), tuple(x.stride), int(w.stride[0]) if w is not None else 0,
-                   group)
-        k = int(x.shape[-1])
-        return _why_not_out(out, x.numel // k, k)
-    except (ValueError, TypeError, AttributeError) as e:
-        return str(e)
+@_errors_as_reasons
+def _rmsq_why_not(x, w, out, norm_dtype, group, weight_in_float=False, any_device=False,
+                  **_) -> str | None:
+    why = _why_not_cuda((x, out) if w is None else (x, w, out), any_device)
+    if why is not None:
+        return why
+    if weight_in_float and w is not None and (x.dtype != torch.float32 or
+                                              w.dtype != torch.float32):
+        return "weight_in_float (torch.nn.RMSNorm's 16-bit order): not the Triton " \
+               "RMSNorm's order"
+    if x.dtype not in DTYPES or (w is not None and w.dtype not in DTYPES):
+        return "dtypes (float32, bfloat16 or float16)"
+    if norm_dtype not in _DT_ID:
+        return "the norm's output metadata"
+    if w is not None and (tuple(w.shape) != (x.shape[-1],) or len(w.stride) != 1):
+        return f"weight shape {tuple(w.shape)}"
+    _rmsq_plan(tuple(x.shape), tuple(x.stride), int(w.stride[0]) if w is not None else 0,
+               group)
+    k = int(x.shape[-1])
+    return _why_not_out(out, x.numel // k, k)
 
 
 def _rmsq_launch(x, w, out, eps, norm_dtype, group) -> None:
     p = _rmsq_plan(tuple(x.shape), tuple(x.stride()), int(w.stride(0)) if w is not None else 0,
                    group)
-    if p.grid[0] == 0:
-        return
-    d = x.shape[-1]
-    q, sc = _packed_parts(out, x.numel() // d, d)
-    nst = hadamard_stages(group)
-    _launch_on(x.device, _rmsq()[p.grid],
-               (x, x if w is None else w, q, sc, *p.args, float(eps), 2.0 ** -nst),
-               dict(HAS_WEIGHT=w is not None, OUT_DT=_DT_ID[norm_dtype], NST=nst,
-                    BLOCK_D=p.block, num_warps=p.num_warps, enable_fp_fusion=False))
+    _launch_packed(p, _rmsq, x, out, group, (x, x if w is None else w), (float(eps),),
+                   HAS_WEIGHT=w is not None, OUT_DT=_DT_ID[norm_dtype], BLOCK_D=p.block)
 
 
 def rms_norm_quantize_triton(x, weight, eps, group=1, out=None) -> torch.Tensor:
@@ -795,8 +629,7 @@ def rms_norm_quantize_triton(x, weight, eps, group=1, out=None) -> torch.Tensor:
     out = packed_out(x, out, x.device)
     nd = rms_norm_out_dtype(x.dtype, None if weight is None else weight.dtype)
     TM = TensorMeta.of
-    why = _rmsq_why_not(TM(x), None if weight is None else TM(weight),
-                        TensorMeta.contiguous(tuple(x.shape), nd, x.device), TM(out), group,
+    why = _rmsq_why_not(TM(x), None if weight is None else TM(weight), TM(out), nd, group,
                         any_device=True)
     if why is not None:
         raise ValueError(f"rms_norm_quantize_triton: unsupported input: {why}")
@@ -804,76 +637,31 @@ def rms_norm_quantize_triton(x, weight, eps, group=1, out=None) -> torch.Tensor:
     return out
 
 
-class RmsNormQuantizeCUDA:
-    """``rms_norm_quantize`` on CUDA (interface:
-    ``fxbackend.patterns.int8_fusions.RmsNormQuantizeFusion``).  ``weight_in_float`` is taken
-    only where it means the same as diffusers' order (float32 x and weight), as the RMSNorm
-    Triton kernel, which lacks that order, would otherwise not run the unfused node either."""
-
-    name = "rms_norm_quantize_triton"
-    #: launches only (no allocation, no host synchronisation): CUDA graphs may capture it
-    capture_safe = True
-
-    def why_not(self, x, w, norm_out, out, group, weight_in_float=False) -> str | None:
-        return _rmsq_why_not(x, w, norm_out, out, group, weight_in_float)
-
-    def compile(self, x, w, norm_out, out, group) -> None:
-        if x.device.type != "cuda":
-            return
-        p = _rmsq_plan(tuple(x.shape), tuple(x.stride),
-                       int(w.stride[0]) if w is not None else 0, group)
-        if p.grid[0] == 0:
-            return
-        nst = hadamard_stages(group)
-        _warmup_on(x.device, _rmsq, (x.dtype, x.dtype if w is None else w.dtype, torch.int8,
-                                     torch.float32, *p.args, 1e-6, 2.0 ** -nst),
-                   dict(HAS_WEIGHT=w is not None, OUT_DT=_DT_ID[norm_out.dtype], NST=nst,
-                        BLOCK_D=p.block, num_warps=p.num_warps, enable_fp_fusion=False,
-                        grid=p.grid))
-
-    def run(self, x, w, out, *, eps, norm_dtype, weight_in_float, group) -> None:
-        if weight_in_float and w is not None and (x.dtype != torch.float32 or
-                                                  w.dtype != torch.float32):
-            raise ValueError("rms_norm_quantize_triton: weight_in_float with 16-bit operands "
-                             "(declined at plan time)")
-        _rmsq_launch(x, w, out, eps, norm_dtype, group)
-
-
 # -- act_quantize / scale_quantize -----------------------------------------------------------------
 
-def _preq_why_not(x, other, out, act, scale_op, group, any_device=False) -> str | None:
-    try:
-        why = _why_not_cuda((x, out) if other is None else (x, other, out), any_device)
-        if why is not None:
-            return why
-        if x.dtype not in DTYPES or (other is not None and other.dtype != x.dtype):
-            return "dtypes (one of float32, bfloat16, float16 for x and the multiplier)"
-        if act not in _ACT_ID or scale_op not in _OPS:
-            return f"activation {act!r} / scale {scale_op!r}"
-        if other is not None and tuple(other.shape) != tuple(x.shape):
-            return "the multiplier must be expanded to x's shape"
-        _preq_plan(tuple(x.shape), tuple(x.stride),
-                   tuple(x.stride if other is None else other.stride), group)
-        k = int(x.shape[-1])
-        return _why_not_out(out, x.numel // k, k)
-    except (ValueError, TypeError, AttributeError) as e:
-        return str(e)
+@_errors_as_reasons
+def _preq_why_not(x, other, out, act, scale_op, group, any_device=False, **_) -> str | None:
+    why = _why_not_cuda((x, out) if other is None else (x, other, out), any_device)
+    if why is not None:
+        return why
+    if x.dtype not in DTYPES or (other is not None and other.dtype != x.dtype):
+        return "dtypes (one of float32, bfloat16, float16 for x and the multiplier)"
+    if act not in ACT_IDS or scale_op not in SCALE_OPS:
+        return f"activation {act!r} / scale {scale_op!r}"
+    if other is not None and tuple(other.shape) != tuple(x.shape):
+        return "the multiplier must be expanded to x's shape"
+    _preq_plan(tuple(x.shape), tuple(x.stride),
+               tuple(x.stride if other is None else other.stride), group)
+    k = int(x.shape[-1])
+    return _why_not_out(out, x.numel // k, k)
 
 
 def _preq_launch(x, other, out, act, scale_op, scale, group, block=None) -> None:
     p = _preq_plan(tuple(x.shape), tuple(x.stride()),
                    tuple(x.stride() if other is None else other.stride()), group, block)
-    if p.grid[0] == 0:
-        return
-    k = x.shape[-1]
-    q, sc = _packed_parts(out, x.numel() // k, k)
-    nst = hadamard_stages(group)
-    _launch_on(x.device, _preq()[p.grid],
-               (x, x if other is None else other, q, sc, *p.args,
-                _scale_value(scale_op, scale), 2.0 ** -nst),
-               dict(ACT=_ACT_ID[act], HAS_O=other is not None, OP=_OPS[scale_op], NST=nst,
-                    BLOCK=p.block, ONE_PASS=k <= p.block, num_warps=p.num_warps,
-                    enable_fp_fusion=False))
+    _launch_packed(p, _preq, x, out, group, (x, x if other is None else other),
+                   (_scale_value(scale_op, scale),), ACT=ACT_IDS[act], HAS_O=other is not None,
+                   OP=SCALE_OPS[scale_op], BLOCK=p.block, ONE_PASS=x.shape[-1] <= p.block)
 
 
 def act_quantize_triton(x, other=None, out=None, *, act=None, scale_op=None, scale=None,
@@ -907,36 +695,146 @@ def act_quantize_triton(x, other=None, out=None, *, act=None, scale_op=None, sca
     return out
 
 
-class PrologueQuantizeCUDA:
-    """``act_quantize`` and ``scale_quantize`` on CUDA (interface:
-    ``fxbackend.patterns.int8_fusions._PrologueQuantize``)."""
+# -- the kernels of the rules (patterns/int8_fusions.FusedKernel) ----------------------------------
 
-    name = "prologue_quantize_triton"
-    #: launches only (no allocation, no host synchronisation): CUDA graphs may capture it
-    capture_safe = True
-
-    def why_not(self, x, other, out, act, scale_op, group) -> str | None:
-        return _preq_why_not(x, other, out, act, scale_op, group)
-
-    def compile(self, x, other, out, act, scale_op, group) -> None:
-        if x.device.type != "cuda":
-            return
-        p = _preq_plan(tuple(x.shape), tuple(x.stride),
-                       tuple(x.stride if other is None else other.stride), group)
-        if p.grid[0] == 0:
-            return
-        nst = hadamard_stages(group)
-        k = x.shape[-1]
-        _warmup_on(x.device, _preq, (x.dtype, x.dtype, torch.int8, torch.float32, *p.args,
-                                     1.0, 2.0 ** -nst),
-                   dict(ACT=_ACT_ID[act], HAS_O=other is not None, OP=_OPS[scale_op], NST=nst,
-                        BLOCK=p.block, ONE_PASS=k <= p.block, num_warps=p.num_warps,
-                        enable_fp_fusion=False, grid=p.grid))
-
-    def run(self, x, other, out, *, act, scale_op, scale, group) -> None:
-        _preq_launch(x, other, out, act, scale_op, scale, group)
+def _gr_why_not(y, out, gate, residual, **_) -> str | None:
+    why = epilogue_why_not(y, gate, residual, out, "cuda", _grk._plan)
+    if why is None and y.dtype != torch.float32:
+        why = f"dtype {y.dtype} (the int8 linear's output is float32)"
+    return why
 
 
-register_int8_fusions("cuda", Int8GatedResidualCUDA(), Int8LinearActQuantizeCUDA(),
-                      ModulationQuantizeCUDA(), RmsNormQuantizeCUDA(), PrologueQuantizeCUDA(),
-                      linear_cast=Int8LinearCastCUDA())
+def _gr_compile(linear, y, out, gate, residual, *, scale_op, **_) -> None:
+    """Plan-time warm-up of the epilogue (CUDA only)."""
+    if y.device.type != "cuda":
+        return
+    grid, args, block_r, block_c = _grk._plan(
+        tuple(y.shape), tuple(gate.shape), tuple(gate.stride), tuple(residual.shape),
+        tuple(residual.stride), tuple(out.stride))
+    if grid[0] == 0 or grid[1] == 0:
+        return
+    b = bias_dtype(linear)
+    _warmup_on(y.device, _gr_kernel, (torch.int32, torch.float32, torch.float32,
+                                      torch.int32 if b is None else b, gate.dtype,
+                                      residual.dtype, out.dtype, *args, 1.0),
+               dict(HAS_BIAS=b is not None, HAS_SCALE=scale_op is not None, BLOCK_R=block_r,
+                    BLOCK_C=block_c, num_warps=_grk.NUM_WARPS, enable_fp_fusion=False,
+                    grid=grid))
+
+
+def _gr_run(acc, xs, ws, bias, out, gate, residual, *, y_shape, scale_op, scale, **_) -> None:
+    _gr_launch(_gr_plan(y_shape, gate, residual, out), acc, xs, ws, bias, gate, residual, out,
+               scale_op, scale)
+
+
+@_errors_as_reasons
+def _actq_why_not(y, out, *, act, group, **_) -> str | None:
+    n = y.shape[-1]
+    if act not in PRE_ACTS:
+        return f"activation {act!r} (one of {PRE_ACTS})"
+    _actq_plan(y.numel // n, n, group)
+    return _why_not_cuda((out,)) or _why_not_out(out, y.numel // n, n)
+
+
+def _actq_compile(linear, y, out, *, act, group, **_) -> None:
+    """Plan-time warm-up of the pass (CUDA only)."""
+    if y.device.type != "cuda":
+        return
+    n = y.shape[-1]
+    m = y.numel // n
+    grid, blk, nw = _actq_plan(m, n, group)
+    b = bias_dtype(linear)
+    nst = hadamard_stages(group)
+    _warmup_on(y.device, _actq, (torch.int32, torch.float32, torch.float32,
+                                 torch.int32 if b is None else b, torch.int8, torch.float32,
+                                 m, n, 2.0 ** -nst),
+               dict(ACT=ACT_IDS[act], HAS_BIAS=b is not None, NST=nst, BLOCK=blk,
+                    ONE_PASS=n <= blk, num_warps=nw, enable_fp_fusion=False, grid=grid))
+
+
+def _actq_run(acc, xs, ws, bias, out, *, act, group, **_) -> None:
+    _actq_launch(acc, xs, ws, bias, out, act, group)
+
+
+def _cast_why_not(y, out, **_) -> str | None:
+    if out.dtype not in (torch.bfloat16, torch.float16):
+        return f"output dtype {out.dtype} (bfloat16 or float16)"
+    return _why_not_cuda((out,))
+
+
+def _cast_run(acc, xs, ws, bias, out, **_) -> None:
+    _i8.epilogue_triton(acc, out, xs, ws, bias)
+
+
+def _modq_compile(x, scale, shift, out, *, norm, add_c, group, **_) -> None:
+    if x.device.type != "cuda":
+        return
+    p = _modq_plan(tuple(x.shape), tuple(x.stride), tuple(scale.stride), tuple(shift.stride),
+                   group)
+    _warm_packed(p, _modq, x, group, (x.dtype,) * 3, (1e-6, 1.0), IS_RMS=norm == "rms",
+                 HAS_ADD=add_c is not None, BLOCK_D=p.block)
+
+
+def _modq_run(x, scale, shift, out, *, norm, eps, add_c, group) -> None:
+    p = _modq_plan(tuple(x.shape), tuple(x.stride()), tuple(scale.stride()),
+                   tuple(shift.stride()), group)
+    _modq_launch(p, x, scale, shift, out, norm, eps, add_c, group)
+
+
+def _rmsq_compile(x, w, out, *, norm_dtype, group, **_) -> None:
+    if x.device.type != "cuda":
+        return
+    p = _rmsq_plan(tuple(x.shape), tuple(x.stride), int(w.stride[0]) if w is not None else 0,
+                   group)
+    _warm_packed(p, _rmsq, x, group, (x.dtype, x.dtype if w is None else w.dtype), (1e-6,),
+                 HAS_WEIGHT=w is not None, OUT_DT=_DT_ID[norm_dtype], BLOCK_D=p.block)
+
+
+def _rmsq_run(x, w, out, *, eps, norm_dtype, weight_in_float, group) -> None:
+    if weight_in_float and w is not None and (x.dtype != torch.float32 or
+                                              w.dtype != torch.float32):
+        raise ValueError("rms_norm_quantize_triton: weight_in_float with 16-bit operands "
+                         "(declined at plan time)")
+    _rmsq_launch(x, w, out, eps, norm_dtype, group)
+
+
+def _preq_compile(x, other, out, *, act, scale_op, group, **_) -> None:
+    if x.device.type != "cuda":
+        return
+    p = _preq_plan(tuple(x.shape), tuple(x.stride),
+                   tuple(x.stride if other is None else other.stride), group)
+    _warm_packed(p, _preq, x, group, (x.dtype, x.dtype), (1.0,), ACT=ACT_IDS[act],
+                 HAS_O=other is not None, OP=SCALE_OPS[scale_op], BLOCK=p.block,
+                 ONE_PASS=x.shape[-1] <= p.block)
+
+
+def _preq_run(x, other, out, *, act, scale_op, scale, group) -> None:
+    _preq_launch(x, other, out, act, scale_op, scale, group)
+
+
+#: ``act_quantize`` and ``scale_quantize``: one kernel; launches only (no allocation, no host
+#: synchronisation), as the other quantize-feeding kernels: CUDA graphs may capture them
+_PROLOGUE = FusedKernel("prologue_quantize_triton", _preq_why_not, _preq_run, _preq_compile,
+                        capture_safe=True)
+#: CUDA's kernel of each rule of ``patterns/int8_fusions.py`` (no ``int8_linear_act`` yet).  The
+#: rules after a linear run ``torch._int_mm`` (``cuda_kernels/int8.DEVICE``) and are not
+#: capture-safe: with a float weight (what the quantize option produces) the step decides on
+#: the host, per call, whether the weight changed (``patterns/int8.WeightState``), which a
+#: captured CUDA graph would not repeat
+KERNELS = {
+    "int8_gated_residual": FusedKernel("int8_gated_residual_triton", _gr_why_not, _gr_run,
+                                       _gr_compile, capture_safe=False),
+    "int8_linear_act_quantize": FusedKernel("int8_linear_act_quantize_triton", _actq_why_not,
+                                            _actq_run, _actq_compile, capture_safe=False),
+    # sd.linear_i8.v1's Triton epilogue storing the 16-bit output
+    "int8_linear_cast": FusedKernel("int8_linear_cast_triton", _cast_why_not, _cast_run,
+                                    capture_safe=False),
+    "modulation_quantize": FusedKernel("modulation_quantize_triton", _modq_why_not, _modq_run,
+                                       _modq_compile, capture_safe=True),
+    "rms_norm_quantize": FusedKernel("rms_norm_quantize_triton", _rmsq_why_not, _rmsq_run,
+                                     _rmsq_compile, capture_safe=True),
+    "act_quantize": _PROLOGUE,
+    "scale_quantize": _PROLOGUE,
+}
+
+register_int8_fusions("cuda", _i8.DEVICE, KERNELS)

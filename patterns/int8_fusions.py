@@ -20,12 +20,19 @@ go to memory:
     #                                                       =>  fused.act_quantize
     # mul|div(x, scalar) [-> clone] -> views* -> quantize   =>  fused.scale_quantize
 
-Each rule is one class below, parameterised by a device implementation object (``impl``: the
-numba kernels of ``cpu_kernels/int8_fusions.py`` or the Triton kernels of
-``cuda_kernels/int8_fusions.py``), matching on dataflow (ops, sources, shapes, dtypes, strides),
-never on names, and declining a recognised chain with a reason (``match`` returns ``(0, why)``;
-it never raises).  The engine (``fusion.check_claim``) judges legality: an intermediate read
-outside the chain (a modulation output that is also used in float) makes the engine decline.
+Rules are data.  The four rules after an ``sd.linear_i8.v1`` step are rows of
+:data:`EPILOGUES` (how the chain is found, the rule's reasons, how ``optimize`` gathers it),
+all run by :class:`Int8EpilogueFusion`: the device's GEMM (``patterns/int8.Int8Device``, shared
+with the linear kernel) into an int32 accumulator, then one kernel pass.  The rules ending at a
+quantize step share :class:`QuantizeFeedFusion`; ``act_quantize`` and ``scale_quantize`` are
+rows of :data:`PROLOGUES`.  Each device gives one :class:`FusedKernel` record per rule (the
+numba kernels of ``cpu_kernels/int8_fusions.py``, the Triton kernels of
+``cuda_kernels/int8_fusions.py``: their ``KERNELS``), so a new fused epilogue is a row of
+:data:`EPILOGUES` and a kernel on each device.  Rules match on dataflow (ops, sources, shapes,
+dtypes, strides), never on names, and decline a recognised chain with a reason (``match``
+returns ``(0, why)``; it never raises).  The engine (``fusion.check_claim``) judges legality:
+an intermediate read outside the chain (a modulation output that is also used in float) makes
+the engine decline.
 
 Priorities (higher is tried first at a node; the rules here start at different ops, so they
 compete only with the float rules that start at the same node):
@@ -77,7 +84,8 @@ with Transformers" (adaLN-Zero, arXiv 2212.09748); diffusers ``FluxTransformerBl
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import torch
 
@@ -87,19 +95,19 @@ from fxbackend import TensorMeta, contiguous_strides
 from .activation import _act_of
 from .gated_residual import (GatedResidualFusion, _broadcasts, _is_number, _is_scale, _other,
                              _overlaps, _tensor, exact_scale, gated_residual_reference)
-from .int8 import (REGULAR_HADAMARD_GROUPS, WeightState, check_linear, linear_i8_reference,
-                   linear_srcs, packed_nbytes, padded_rows, quantize_i8_convrot_reference,
-                   unpack)
+from .int8 import (REGULAR_HADAMARD_GROUPS, Int8Device, WeightState, check_linear,
+                   compile_quantized_operands, linear_i8_reference, linear_srcs, packed_nbytes,
+                   quantize_i8_convrot_reference, x_operand)
 from .modulation import (_LAYER_NORM, ModulationFusion, _reshaped, _scalar, expanded_meta,
                          modulation_reference)
 from .rmsnorm import RmsNorm, rms_norm_reference
 
-__all__ = ["QUANTIZE", "LINEAR_I8", "PRE_ACTS", "Int8GatedResidualFusion",
-           "Int8LinearActQuantizeFusion", "int8_linear_act_quantize_reference",
-           "Int8LinearCastFusion", "Int8LinearActFusion",
-           "ModulationQuantizeFusion", "RmsNormQuantizeFusion", "ActQuantizeFusion",
-           "ScaleQuantizeFusion", "register_int8_fusions", "int8_gated_residual_reference",
-           "packed_out",
+__all__ = ["QUANTIZE", "LINEAR_I8", "PRE_ACTS", "SCALE_OPS", "ACT_IDS", "FusedKernel",
+           "Epilogue", "EPILOGUES", "Int8EpilogueFusion", "QuantizeFeedFusion",
+           "ModulationQuantizeFusion", "RmsNormQuantizeFusion", "PrologueQuantizeFusion",
+           "PROLOGUES", "QUANTIZE_FEEDS", "register_int8_fusions", "never_raises", "bias_dtype",
+           "direct_gemm",
+           "int8_gated_residual_reference", "int8_linear_act_quantize_reference", "packed_out",
            "expand_scale_shift", "modulation_quantize_reference", "rms_norm_quantize_reference",
            "act_quantize_reference", "prologue_reference", "ReferenceQuantizeImpl",
            "row_view_chain"]
@@ -108,6 +116,10 @@ QUANTIZE = "sd.quantize_i8_convrot.v1"
 LINEAR_I8 = "sd.linear_i8.v1"
 #: activations before a quantize step: gelu with the tanh approximation, gelu (erf), silu, sigmoid
 PRE_ACTS = ("gelu_tanh", "gelu", "silu", "sigmoid")
+#: the kernels' codes (both devices) of a chain's scale by a Python number and of its activation
+#: (0: none; 1.. PRE_ACTS in order, sigmoid last)
+SCALE_OPS = {None: 0, "mul": 1, "div": 2}
+ACT_IDS = {None: 0, **{a: k + 1 for k, a in enumerate(PRE_ACTS)}}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: views that give their source's elements in the same (row-major) order
 _RESHAPES = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
@@ -254,6 +266,16 @@ def row_view_chain(nodes: list, k: int, prev) -> tuple[list, Any]:
     return [], None
 
 
+def _quantize_tail(nodes: list, k: int, last) -> tuple | None:
+    """``[clone] -> views* -> quantize`` of ``last`` from ``nodes[k]``: ``(the value the views
+    read, the quantize step, the index after it)``, or None."""
+    if k < len(nodes) and _is_clone_of(nodes[k], last):
+        last = nodes[k]
+        k += 1
+    views, quant = row_view_chain(nodes, k, last)
+    return None if quant is None else (last, quant, k + len(views) + 1)
+
+
 def _quantize_why_not(quant, value_meta: TensorMeta) -> str | None:
     """Declines on the quantize step of a chain whose float value (before the views) has
     metadata ``value_meta``: group, K, the packed output."""
@@ -335,157 +357,180 @@ def _why_dtypes(metas: dict) -> str | None:
     return None
 
 
-# -- 1. int8_gated_residual -----------------------------------------------------------------------
-
-@dataclasses.dataclass
-class _I8Parts:
-    """What the fused step needs from its chain (node references are external inputs)."""
-
-    linear: Any  # the sd.linear_i8.v1 node
-    srcs: dict  # its sources by name (linear_srcs)
-    gate: Any
-    residual: Any
-    y_shape: tuple  # the GEMM result's shape as the gate multiply sees it
-    scale_op: str | None
-    scale: float | None
-    out_meta: TensorMeta
-    dtype: torch.dtype = torch.float32  # the chain's: a 16-bit layer's cast after the linear
+def never_raises(why_not: Callable[..., str | None]) -> Callable[..., str | None]:
+    """``why_not`` as a kernel's check that never raises: an exception becomes the reason
+    ``metadata not understood (...)``."""
+    @functools.wraps(why_not)
+    def checked(*args, **kw) -> str | None:
+        try:
+            return why_not(*args, **kw)
+        except Exception as exc:  # never raise: decline with the reason
+            return f"metadata not understood ({type(exc).__name__}: {exc})"
+    return checked
 
 
-class Int8GatedResidualFusion(GatedResidualFusion):
-    """Fusion rule ``int8_gated_residual``::
+def bias_dtype(linear) -> torch.dtype | None:
+    """The dtype of the ``sd.linear_i8.v1`` node's bias (None: no bias), for a kernel's
+    ``compile``."""
+    return linear.srcs[-1].meta.dtype if linear.params.get("has_bias") else None
 
-        # sd.linear_i8 -> [_to_copy bf16|fp16] -> view/clone* -> [mul|div scalar]
-        #   -> mul(gate) -> add(residual)
-        #   =>  fused.int8_gated_residual: torch._int_mm, then ONE epilogue pass
 
-    The end of every quantized adaLN-Zero block (Flux/SD3 attention out-projections, their
-    feed-forwards' last linear, Flux's single-block ``proj_out``).  Meaning:
-    :func:`int8_gated_residual_reference`; per element of the output (float32)::
+# -- the device kernels: one record per rule and device -------------------------------------------
 
-        y   = float32(acc[m, n]) * x_scale[m] * w_scale[n] + bias[n]       (linear_i8's order)
-        t   = y * float32(s)  |  y / float32(s)  |  y                      (the scale, if any)
-        g   = gate * t
-        out = residual + g
+@dataclasses.dataclass(frozen=True)
+class FusedKernel:
+    """One device's kernel for one rule of this file: the ``impl`` the rule is built with
+    (``cpu_kernels/int8_fusions.py`` and ``cuda_kernels/int8_fusions.py`` give one per rule in
+    their ``KERNELS``).  The arguments of ``why_not``, ``compile`` and ``run`` are the rule's:
+    :class:`Int8EpilogueFusion` for the rules after an ``sd.linear_i8.v1`` step,
+    :class:`QuantizeFeedFusion` for those ending at a quantize step."""
 
-    each product and sum rounded to float32 on its own, so the step equals the unfused chain bit
-    for bit.  The unfused chain writes the [M, N] float32 linear output and reads and writes it
-    once per native op (the clone, the gate multiply, the residual add); the fused step writes
-    the int32 accumulator into the output's own storage and converts it in place in one pass
-    that also reads the gate and residual rows.
+    #: prefixes the kernel's reasons in the plan's report
+    name: str
+    #: the chain's metadata -> the reason the kernel declines it, None when it computes it;
+    #: never raises
+    why_not: Callable[..., str | None]
+    run: Callable[..., None]
+    #: plan-time compilation or warm-up (None: nothing to compile)
+    compile: Callable[..., None] | None = None
+    #: the chain dtypes it fuses after a linear (a 16-bit layer's cast rounds the linear's value)
+    dtypes: tuple = (torch.float32,)
+    #: it writes rows of any stride (a slice of a concatenation: ``fxbackend.concat``)
+    strided_out: bool = False
+    #: ``fxbackend.cudagraphs``: None, not declared
+    capture_safe: bool | None = None
 
-    The chain matching is ``gated_residual``'s (this class extends
-    :class:`~fxbackend.patterns.gated_residual.GatedResidualFusion`: passthrough views/clones, one
-    optional scale by a Python number made exact where it can be, the gate multiply and residual
-    add in either operand order, gate/residual broadcast to the linear's shape).  The linear may
-    be any ``sd.linear_i8.v1`` the device's linear kernel computes (every ``x_kind``; a float
-    weight is quantized once per step state and again when it changes, as the linear kernel
-    does).  The linear's output is float32, so a 16-bit gate or residual beside it makes the
-    chain promote (declined: "dtypes differ"); a 16-bit layer's chain (its cast after the
-    linear: T = bfloat16 or float16) rounds the linear's value to T and each operation to T, as
-    the unfused steps do, and fuses only where ``impl.gr_dtypes`` lists T (then ``run`` also
-    gets ``dtype=T``; the accumulator then goes to workspace).
 
-    ``impl`` (the device kernel): ``name``; ``why_not_linear(node)`` (the device's conditions
-    on the ``sd.linear_i8.v1`` node, never raises); ``why_not(y, gate, residual, out)``
-    (``TensorMeta``s, y the contiguous GEMM result in the gate multiply's shape; never raises);
-    optional ``compile(linear, y, gate, residual, out, scale_op)`` (plan time);
-    ``quantize(x, group, q, scales, m, mp)`` (the device's row quantizer, for float operands);
-    ``run(qx, xs, qw, ws, bias, acc, gate, residual, out, *, y_shape, scale_op, scale)``: the
-    integer GEMM into ``acc`` (int32 ``[M, N]``, possibly ``out``'s own storage) and the
-    epilogue into ``out``.
-    """
+# -- the rules after an sd.linear_i8.v1 step: one class, a table of epilogues ---------------------
 
-    priority = 6
-    casts = False  # no widened or narrowed operands (the 16-bit cast after the linear is its own)
+@dataclasses.dataclass(frozen=True)
+class Epilogue:
+    """One fused epilogue of ``sd.linear_i8.v1``: a row of :data:`EPILOGUES`, which
+    :class:`Int8EpilogueFusion` runs on a device.
 
-    def __init__(self, impl) -> None:
-        super().__init__(impl)
-        self.name = "int8_gated_residual"
+    ``find(nodes, i)`` gives the chain starting at the linear ``nodes[i]`` or None: a dict with
+    ``linear`` (the node), ``srcs`` (its sources by name, ``linear_srcs``), ``nodes`` (the
+    chain), ``dtype`` (the chain's: float32, or a 16-bit layer's cast after the linear),
+    ``y_shape`` (the linear's value as the epilogue reads it), ``operands`` (nodes the epilogue
+    reads besides the accumulator, external inputs of the step) and ``args`` (the kernel's
+    keyword arguments).  ``why_not(chain, kernel, dev)`` the rule's reasons, then the kernel's
+    (:func:`_kernel_why_not`).  ``outside(graph, chain)``: a reason that reads the rest of the
+    graph (None: none), checked first.  ``gather(users, linear)``: the nodes ``optimize`` makes
+    consecutive (None: no reordering), down to the views and quantize step that read the last
+    one with ``to_quantize``.  ``acc_in_out``: the int32 accumulator goes into a contiguous
+    float32 output's own storage (else into workspace)."""
 
-    # -- matching (``match`` is gated_residual's) ---------------------------------------------
-    @staticmethod
-    def _starts(n) -> bool:
-        m = _tensor(n)
-        return n.op == LINEAR_I8 and m is not None and m.dtype == torch.float32 and \
-            len(m.shape) >= 1 and m.is_contiguous
+    name: str
+    priority: int
+    find: Callable[[list, int], dict | None]
+    why_not: Callable[[dict, FusedKernel, Int8Device], str | None]
+    outside: Callable[[Any, dict], str | None] | None = None
+    gather: Callable[[dict, Any], list | None] | None = None
+    to_quantize: bool = False
+    acc_in_out: bool = False
 
-    def _chain(self, lin, next_of) -> list | None:
-        """gated_residual's chain, where a 16-bit layer's cast may follow the linear."""
-        if not self._starts(lin):
-            return None
-        nxt = next_of(lin)
-        if nxt is not None and _is_cast_of(nxt, lin):
-            return self._chain_from([lin, nxt], next_of)
-        return self._chain_from([lin], next_of, nxt)
 
-    def _parts(self, chain: list) -> _I8Parts:
-        lin, mul, add = chain[0], chain[-2], chain[-1]
-        y = chain[-3]
-        scale_node = next((c for p, c in zip(chain, chain[1:-2]) if _is_scale(c, p)), None)
-        scale_op, scale = exact_scale(
-            None if scale_node is None else
-            ("mul" if scale_node.op == "aten.mul.Tensor" else "div"),
-            None if scale_node is None else float(scale_node.params["other"]))
-        cast = chain[1] if _is_cast_of(chain[1], lin) else None
-        return _I8Parts(lin, linear_srcs(lin.srcs, lin.params), _other(mul, y), _other(add, mul),
-                        tuple(y.meta.shape), scale_op, scale, add.meta,
-                        torch.float32 if cast is None else cast.meta.dtype)
+def _y_meta(ch: dict) -> TensorMeta:
+    """The linear's value as the epilogue reads it: contiguous, the chain's dtype and shape."""
+    return dataclasses.replace(ch["linear"].meta, shape=ch["y_shape"],
+                               stride=contiguous_strides(ch["y_shape"]), dtype=ch["dtype"])
 
-    def _why_not(self, chain: list) -> str | None:
-        p = self._parts(chain)
-        metas = {"the linear": dataclasses.replace(p.linear.meta, dtype=p.dtype),
-                 "the gate": p.gate.meta, "the residual": p.residual.meta,
-                 "the output": p.out_meta}
-        if not all(isinstance(m, TensorMeta) for m in metas.values()):
-            return "an operand is not a tensor"
-        why = _why_dtypes(metas)
-        if why is not None:
-            return why
-        if p.dtype not in getattr(self.impl, "gr_dtypes", (torch.float32,)):
-            return f"{self.impl.name}: no kernel for {p.dtype} chains"
-        if any(m.is_symbolic for m in metas.values()):
-            return "symbolic shapes"
-        if not _broadcasts(tuple(p.gate.meta.shape), p.y_shape) or \
-                not _broadcasts(tuple(p.residual.meta.shape), p.y_shape):
-            return "gate or residual does not broadcast to the linear's shape"
-        why = self.impl.why_not_linear(p.linear)
-        if why is None:
-            y = dataclasses.replace(p.linear.meta, shape=p.y_shape,
-                                    stride=contiguous_strides(p.y_shape), dtype=p.dtype)
-            why = self.impl.why_not(y, p.gate.meta, p.residual.meta, p.out_meta)
-        return None if why is None else f"{self.impl.name}: {why}"
+
+def _kernel_why_not(ch: dict, kernel: FusedKernel, dev: Int8Device) -> str | None:
+    """The device's reason on the linear, then the kernel's on the chain: ``kernel.why_not(y,
+    out, *operands, **args)`` (``y``: :func:`_y_meta`; ``out``: the step's output)."""
+    return dev.why_not_linear(ch["linear"]) or kernel.why_not(
+        _y_meta(ch), ch["nodes"][-1].meta, *(n.meta for n in ch["operands"]), **ch["args"])
+
+
+def _prefixed(kernel: FusedKernel, why: str | None) -> str | None:
+    return None if why is None else f"{kernel.name}: {why}"
+
+
+def _no_dtype_kernel(kernel: FusedKernel, dt: torch.dtype) -> str | None:
+    return None if dt in kernel.dtypes else f"{kernel.name}: no kernel for {dt} chains"
+
+
+class Int8EpilogueFusion:
+    """The fusion rule of one :class:`Epilogue` (``spec``) on one device: the integer GEMM of
+    the chain's ``sd.linear_i8.v1`` (``dev``: the device's ``patterns/int8.Int8Device``) into an
+    int32 accumulator, then ONE pass of the device's ``impl`` (a :class:`FusedKernel`) from the
+    accumulator to the step's output, so the float [M, N] linear output is never written and
+    read back.
+
+    The linear may be any ``sd.linear_i8.v1`` the device's linear kernel computes
+    (``dev.why_not_linear``; every ``x_kind``): a float x is quantized into the step's
+    workspace, a float weight once per model into the step's state (``WeightState``, with the
+    device's own quantizer), as the linear kernel does.  The kernel's interface:
+
+    - ``why_not(y, out, *operands, **args)``: ``y`` the linear's value as the epilogue reads it
+      (contiguous, the chain's dtype, the shape the chain sees), ``out`` the step's output,
+      ``operands`` the metadata of the epilogue's other tensors (the gate and residual), ``args``
+      the rule's attributes (its :data:`EPILOGUES` row); never raises;
+    - optional ``compile(linear, y, out, *operands, **args)`` (plan time; the quantize kernels of
+      the float operands are the rule's to compile);
+    - ``run(acc, x_scale, w_scale, bias, out, *operands, **args)``: the epilogue from the int32
+      accumulator ``acc [M, N]`` (the output's own storage when ``spec.acc_in_out`` and the
+      output is contiguous float32, else workspace) into ``out``;
+    - ``dtypes``: the chain dtypes it fuses (a 16-bit layer's chain: the cast after the linear
+      rounds the linear's value, each operation rounds to that dtype, as the unfused steps
+      do); ``strided_out``: out may have any row stride; ``capture_safe``.
+
+    The device's ``between()`` runs after the operands are quantized and after the GEMM (the
+    CPU's cancellation check)."""
+
+    def __init__(self, spec: Epilogue, dev: Int8Device, impl: FusedKernel) -> None:
+        self.spec, self.dev, self.impl = spec, dev, impl
+        self.name, self.priority = spec.name, spec.priority
+        #: the kernel writes rows of any stride (a slice of a concatenation)
+        self.strided_out = bool(getattr(impl, "strided_out", False))
+
+    def match(self, graph, i: int):
+        spec = self.spec
+
+        def find():
+            ch = spec.find(graph.nodes, i)
+            if ch is not None and spec.outside is not None:
+                ch["outside"] = spec.outside(graph, ch)
+            return ch
+        return _match_answer(find, lambda ch: ch.get("outside") or
+                             spec.why_not(ch, self.impl, self.dev))
 
     def optimize(self, graph) -> None:
-        """Make each chain consecutive, as ``gated_residual`` does for its float linears (the
-        gate's ``unsqueeze`` sits between the linear and the gate multiply; Flux's/SD3's
-        context stream projects long before its gated residual).  Never raises."""
+        """Make each chain consecutive (``spec.gather``): ATen puts the gate's ``unsqueeze``
+        between the linear and the gate multiply, and Flux's/SD3's context stream projects long
+        before its gated residual.  Never raises."""
+        if self.spec.gather is None:
+            return
         try:
             users = graph.users()
             for lin in [n for n in graph.nodes if n.op == LINEAR_I8]:
-                chain = self._chain(lin, lambda n: _one_user(users, n))
-                if chain is not None:
+                chain = self.spec.gather(users, lin)
+                if chain is None:
+                    continue
+                if self.spec.to_quantize:
+                    _gather_to_quantize(graph, users, chain)
+                else:
                     _gather(graph, chain)
         except Exception:  # an optimisation only: matching decides on whatever order is left
             return
 
-    # -- running -----------------------------------------------------------------------------
     def _state(self, node) -> dict:
-        p = self._parts(node.annotations["fused"])
+        ch = self.spec.find(node.annotations["fused"], 0)
         # the int32 accumulator fits in a contiguous float32 output's own storage
-        in_place = node.meta.is_contiguous and p.dtype == torch.float32
-        st = _linear_state(p.linear, p.srcs, acc_in_workspace=not in_place)
-        y_meta = dataclasses.replace(p.linear.meta, shape=p.y_shape,
-                                     stride=contiguous_strides(p.y_shape), dtype=p.dtype)
-        return dict(st, parts=p, in_place=in_place, y_meta=y_meta,
-                    extra=_dtype_kwargs(p.dtype))
+        in_place = self.spec.acc_in_out and node.meta.is_contiguous and \
+            ch["dtype"] == torch.float32
+        st = _linear_state(ch["linear"], ch["srcs"], acc_in_workspace=not in_place)
+        return dict(st, linear=ch["linear"], srcs=ch["srcs"], in_place=in_place,
+                    operands=ch["operands"], args=ch["args"], y=_y_meta(ch))
 
     def compile(self, node) -> None:
+        st = self._state(node)
+        compile_quantized_operands(self.dev, st["linear"])
         comp = getattr(self.impl, "compile", None)
         if comp is not None:
-            st = self._state(node)
-            p = st["parts"]
-            comp(p.linear, st["y_meta"], p.gate.meta, p.residual.meta, p.out_meta, p.scale_op)
+            comp(st["linear"], st["y"], node.meta, *(n.meta for n in st["operands"]),
+                 **st["args"])
 
     def prepare(self, node):
         st = self._state(node)
@@ -493,9 +538,8 @@ class Int8GatedResidualFusion(GatedResidualFusion):
 
     def execute(self, ctx, node, state, inputs, out, workspace) -> None:
         st = state
-        p = st["parts"]
         value = dict(zip(node.srcs, inputs))
-        qx, xs, qw, ws, bias = _linear_operands(self.impl, st, p.srcs, value, workspace)
+        qx, xs, qw, ws, bias = _linear_operands(self.dev, st, st["srcs"], value, workspace)
         M, N = st["M"], st["N"]
         if st["in_place"] and not any(_overlaps(out, t) for t in inputs):
             acc = out.view(torch.int32).view(M, N)
@@ -505,14 +549,11 @@ class Int8GatedResidualFusion(GatedResidualFusion):
             # out overlaps an input: the memory planner does not do this (inputs live through
             # the step), but the rule must stay correct if it ever did
             acc = torch.empty((M, N), dtype=torch.int32, device=out.device)
-        self.impl.run(qx, xs, qw, ws, bias, acc, value[p.gate], value[p.residual], out,
-                      y_shape=p.y_shape, scale_op=p.scale_op, scale=p.scale, **st["extra"])
-
-
-def _dtype_kwargs(dtype: torch.dtype) -> dict:
-    """The ``dtype=`` keyword a kernel's ``run``/``compile`` gets for a 16-bit chain (none for
-    float32, so implementations without 16-bit support keep their signatures)."""
-    return {} if dtype == torch.float32 else {"dtype": dtype}
+        self.dev.between()
+        self.dev.gemm(qx, qw, acc)
+        self.dev.between()
+        self.impl.run(acc, xs, ws, bias, out, *(value[n] for n in st["operands"]),
+                      **st["args"])
 
 
 def _linear_state(lin, srcs: dict, acc_in_workspace: bool) -> dict:
@@ -531,70 +572,144 @@ def _linear_state(lin, srcs: dict, acc_in_workspace: bool) -> dict:
                 ws_bytes=acc_off + 4 * M * N if acc_in_workspace else x_bytes)
 
 
+def direct_gemm(dev: Int8Device, x_kind: str, group: int, M: int, K: int, N: int, x, x_scale,
+                w, out) -> tuple:
+    """The GEMM phase of a fused epilogue's direct call (tests, benchmarks) with an int8 weight
+    ``w``: x quantized into a temporary (``x_kind="float"``) or read in place, the int32
+    accumulator in a contiguous out's own storage (else a temporary); ``(acc, x_scale)``."""
+    buf = None
+    if x_kind == "float":
+        x = x.reshape(M, K).contiguous()
+        buf = torch.empty(packed_nbytes(M, K), dtype=torch.int8, device=x.device)
+    elif x_kind == "int8":
+        x, x_scale = x.reshape(M, K), x_scale.reshape(M)
+    qx, xs = x_operand(dev, x_kind, group, M, K, x, x_scale, buf)
+    acc = out.view(torch.int32).view(M, N) if out.is_contiguous() else \
+        torch.empty(M, N, dtype=torch.int32, device=out.device)
+    dev.gemm(qx, w, acc)
+    return acc, xs
+
+
 def _acc_view(st: dict, workspace) -> torch.Tensor:
     M, N = st["M"], st["N"]
     return workspace[st["acc_off"]:st["acc_off"] + 4 * M * N].view(torch.int32).view(M, N)
 
 
-def _linear_operands(impl, st: dict, srcs: dict, value: dict, workspace) -> tuple:
+def _linear_operands(dev: Int8Device, st: dict, srcs: dict, value: dict, workspace) -> tuple:
     """``(q_x, x_scale, q_w, w_scale, bias)`` of the linear at run time: x quantized into the
-    workspace by ``impl.quantize`` (``x_kind="float"``) or read in place (packed, int8); a float
-    weight quantized into the step's state when it changed (``WeightState``)."""
+    workspace (``x_kind="float"``) or read in place (packed, int8); a float weight quantized
+    into the step's state when it changed (``WeightState``)."""
     s = {k: (None if v is None else value[v]) for k, v in srcs.items()}
-    M, K, N, group = st["M"], st["K"], st["N"], st["group"]
     x = s["x"]
     if not x.is_contiguous():  # other strides than planned (the Dynamo path): stay right
         x = x.contiguous()
-    if st["x_kind"] == "float":
-        buf = workspace[:st["x_bytes"]].view(torch.int8)
-        mp = padded_rows(M)
-        impl.quantize(x, group, buf[:mp * K], buf[mp * K:].view(torch.float32), M, mp)
-        qx, xs = unpack(buf, M, K)
-    elif st["x_kind"] == "packed":
-        qx, xs = unpack(x, M, K)
-    else:
-        qx, xs = x.view(M, K), s["x_scale"]
+    buf = workspace[:st["x_bytes"]].view(torch.int8) if st["x_kind"] == "float" else None
+    qx, xs = x_operand(dev, st["x_kind"], st["group"], st["M"], st["K"], x, s["x_scale"], buf)
     if st["w_kind"] == "float":
-        qw, ws = st["weight"].get(
-            s["w"], group, lambda w, g, wi, wsc: impl.quantize(w, g, wi, wsc, N, N))
+        qw, ws = st["weight"].get(s["w"], st["group"], dev.quantize_weight)
     else:
         qw, ws = s["w"], s["w_scale"]
     return qx, xs, qw, ws, s["bias"]
 
 
-# -- 1b. int8_linear_act_quantize -----------------------------------------------------------------
+def _starts(n) -> bool:
+    """``n`` is an ``sd.linear_i8.v1`` step whose float32 output a fused epilogue can take."""
+    m = _tensor(n)
+    return n.op == LINEAR_I8 and m is not None and m.dtype == torch.float32 and \
+        len(m.shape) >= 1 and m.is_contiguous
 
-class _Int8LinearRule:
-    """What the rules running an ``sd.linear_i8.v1`` step with its GEMM into workspace share:
-    ``_chain(nodes, i)`` (a dict with ``linear``, ``srcs``, ``nodes``; or None) and ``_why_not``
-    come from each rule."""
 
-    priority = 6
-    rule_name = ""
+def _linear_chain(lin, cast, nodes: list, operands=(), shape=None, **args) -> dict:
+    """The chain dict of an :class:`Epilogue` (its docstring): ``cast`` the 16-bit layer's
+    cast after the linear (None: a float32 chain), ``shape`` the linear's value as the epilogue
+    reads it (None: the linear's shape), ``args`` the kernel's (``dtype``: the chain's)."""
+    dtype = torch.float32 if cast is None else cast.meta.dtype
+    return dict(linear=lin, srcs=linear_srcs(lin.srcs, lin.params), nodes=nodes, dtype=dtype,
+                y_shape=tuple(lin.meta.shape) if shape is None else shape,
+                operands=list(operands), args=dict(args, dtype=dtype))
 
-    def __init__(self, impl) -> None:
-        self.impl = impl
-        self.name = self.rule_name
 
-    def match(self, graph, i: int):
-        return _match_answer(lambda: self._chain(graph.nodes, i), self._why_not)
+# -- int8_gated_residual
 
-    def _state(self, node) -> dict:
-        ch = self._chain(node.annotations["fused"], 0)
-        st = _linear_state(ch["linear"], ch["srcs"], acc_in_workspace=True)
-        return dict(st, srcs=ch["srcs"], linear=ch["linear"], chain=ch)
+class _GatedChain(GatedResidualFusion):
+    """``gated_residual``'s chain walk (passthrough views and clones, one optional scale by a
+    Python number, the gate multiply and the residual add in either operand order), starting
+    at an ``sd.linear_i8.v1`` step whose 16-bit layer's cast may follow it; no widening or
+    narrowing casts around the gate (the 16-bit cast after the linear is its own)."""
 
-    def prepare(self, node):
-        st = self._state(node)
-        return st, st["ws_bytes"]
+    casts = False
 
+    @staticmethod
+    def _starts(n) -> bool:
+        return _starts(n)
+
+    def _chain(self, lin, next_of) -> list | None:
+        if not self._starts(lin):
+            return None
+        nxt = next_of(lin)
+        if nxt is not None and _is_cast_of(nxt, lin):
+            return self._chain_from([lin, nxt], next_of)
+        return self._chain_from([lin], next_of, nxt)
+
+
+_GATED = _GatedChain(None)
+
+
+def _gr_find(nodes, i):
+    """``sd.linear_i8 -> [_to_copy bf16|fp16] -> view/clone* -> [mul|div scalar] -> mul(gate)
+    -> add(residual)``; operands the gate and the residual, args ``y_shape`` (the linear's value
+    as the gate multiply sees it), ``scale_op``/``scale`` (made exact where they can be, as in
+    ``gated_residual``)."""
+    pos = [i]
+
+    def next_in_graph(_):
+        pos[0] += 1
+        return nodes[pos[0]] if pos[0] < len(nodes) else None
+    chain = _GATED._chain(nodes[i], next_in_graph)
+    if chain is None:
+        return None
+    lin, mul, add, y = chain[0], chain[-2], chain[-1], chain[-3]
+    scale_node = next((c for p, c in zip(chain, chain[1:-2]) if _is_scale(c, p)), None)
+    scale_op, scale = exact_scale(
+        None if scale_node is None else
+        ("mul" if scale_node.op == "aten.mul.Tensor" else "div"),
+        None if scale_node is None else float(scale_node.params["other"]))
+    y_shape = tuple(y.meta.shape)
+    return _linear_chain(lin, chain[1] if _is_cast_of(chain[1], lin) else None, chain,
+                         (_other(mul, y), _other(add, mul)), y_shape, y_shape=y_shape,
+                         scale_op=scale_op, scale=scale)
+
+
+def _gr_why_not(ch, kernel, dev) -> str | None:
+    gate, residual = ch["operands"]
+    metas = {"the linear": dataclasses.replace(ch["linear"].meta, dtype=ch["dtype"]),
+             "the gate": gate.meta, "the residual": residual.meta,
+             "the output": ch["nodes"][-1].meta}
+    if not all(isinstance(m, TensorMeta) for m in metas.values()):
+        return "an operand is not a tensor"
+    why = _why_dtypes(metas) or _no_dtype_kernel(kernel, ch["dtype"])
+    if why is not None:
+        return why
+    if any(m.is_symbolic for m in metas.values()):
+        return "symbolic shapes"
+    if not _broadcasts(tuple(gate.meta.shape), ch["y_shape"]) or \
+            not _broadcasts(tuple(residual.meta.shape), ch["y_shape"]):
+        return "gate or residual does not broadcast to the linear's shape"
+    return _prefixed(kernel, _kernel_why_not(ch, kernel, dev))
+
+
+def _gr_gather(users, lin) -> list | None:
+    return _GATED._chain(lin, lambda n: _one_user(users, n))
+
+
+# -- int8_linear_act_quantize, int8_linear_act
 
 def _linear_act_at(nodes, i):
     """``(linear, cast or None, activation node, act, its index)`` for the run ``sd.linear_i8
     -> [_to_copy bf16|fp16] -> row views* -> gelu|gelu_tanh|silu|sigmoid`` starting at
     ``nodes[i]``, or None."""
     lin = nodes[i]
-    if not Int8GatedResidualFusion._starts(lin):
+    if not _starts(lin):
         return None
     k, prev, cast = i + 1, lin, None
     if k < len(nodes) and _is_cast_of(nodes[k], lin):  # a 16-bit layer
@@ -613,18 +728,16 @@ def _linear_act_at(nodes, i):
     return lin, cast, act_node, act, k
 
 
-def _activation_why_not(impl, ch: dict, dtypes_attr: str) -> str | None:
+def _activation_why_not(kernel, ch: dict) -> str | None:
     """The checks the two rules ending at an activation share: the activation a concrete tensor
-    of the chain's dtype, a dtype the implementation lists in ``impl.<dtypes_attr>`` (float32
-    when it lists none), with the linear's rows."""
+    of the chain's dtype, a dtype the kernel lists, with the linear's rows."""
     lin, v, dt = ch["linear"].meta, ch["value"].meta, ch["dtype"]
     if not isinstance(v, TensorMeta) or v.dtype != dt or v.is_symbolic:
         return f"the activation is not a concrete {dt} tensor"
-    if dt not in getattr(impl, dtypes_attr, (torch.float32,)):
-        return f"{impl.name}: no kernel for {dt} chains"
-    if v.numel != lin.numel or v.shape[-1] != lin.shape[-1]:
-        return "the activation's rows are not the linear's"
-    return None
+    why = _no_dtype_kernel(kernel, dt)
+    if why is None and (v.numel != lin.numel or v.shape[-1] != lin.shape[-1]):
+        why = "the activation's rows are not the linear's"
+    return why
 
 
 def _linear_act_users(users, lin) -> list | None:
@@ -640,198 +753,69 @@ def _linear_act_users(users, lin) -> list | None:
     return chain + [u] if u is not None and _pre_act_of(u) is not None else None
 
 
-class Int8LinearActQuantizeFusion(_Int8LinearRule):
-    """Fusion rule ``int8_linear_act_quantize``::
-
-        # sd.linear_i8 -> [_to_copy bf16|fp16] -> views* -> gelu|gelu_tanh|silu|sigmoid
-        #   -> [clone] -> views* -> quantize
-        #   =>  fused.int8_linear_act_quantize: torch._int_mm, then ONE pass per row
-
-    The feed-forward between two quantized linears (Flux's/SD3's ``ff.net[0].proj`` -> GELU(tanh)
-    -> ``ff.net[2]``): the GEMM's int32 accumulator goes to workspace, then each row is scaled
-    (``linear_i8``'s epilogue), activated (``act_quantize``'s activation maths) and quantized
-    (the quantize kernel's rotation and codes) without the float [M, N] hidden ever being
-    written; the unfused pair (``sd.linear_i8.v1`` then ``act_quantize``) writes it and reads it
-    back.  Bit-exact to that pair (the same operations in the same order); to the native
-    activation as ``act_quantize`` is (module docstring).  Priority 6 (the only other rule
-    starting at ``sd.linear_i8.v1`` is ``int8_gated_residual``, whose chain ends differently).
-
-    ``impl``: as :class:`Int8GatedResidualFusion`'s for ``name``, ``why_not_linear``,
-    ``quantize``; ``why_not_act(m, n, out, act, group)`` (``out`` the packed output; never
-    raises); optional ``compile_act(linear, act, group)``; ``run_act(qx, xs, qw, ws, bias, acc,
-    out, *, act, group)``: the GEMM into ``acc`` (int32 workspace) and the pass into ``out``.
-    A 16-bit layer's chain (the cast after the linear: T = bfloat16 or float16) rounds the
-    linear's value to T before the activation, and the activation's to T, as the unfused steps
-    do; it fuses only where ``impl.act_dtypes`` lists T, and then ``compile_act`` and
-    ``run_act`` also get ``dtype=T``.
-    """
-
-    rule_name = "int8_linear_act_quantize"
-
-    def _chain(self, nodes, i):
-        found = _linear_act_at(nodes, i)
-        if found is None:
-            return None
-        lin, cast, act_node, act, k = found
-        k, last = k + 1, act_node
-        if k < len(nodes) and _is_clone_of(nodes[k], last):
-            last = nodes[k]
-            k += 1
-        views, quant = row_view_chain(nodes, k, last)
-        if quant is None:
-            return None
-        return dict(linear=lin, act=act, value=last, quant=quant,
-                    group=quant.params.get("group"), nodes=nodes[i:k + len(views) + 1],
-                    srcs=linear_srcs(lin.srcs, lin.params),
-                    dtype=torch.float32 if cast is None else cast.meta.dtype)
-
-    def _why_not(self, ch) -> str | None:
-        lin, v = ch["linear"].meta, ch["value"].meta
-        why = _activation_why_not(self.impl, ch, "act_dtypes")
-        if why is not None:
-            return why
-        why = _quantize_why_not(ch["quant"], v)
-        if why is None:
-            why = self.impl.why_not_linear(ch["linear"])
-        if why is None:
-            n = lin.shape[-1]
-            why = self.impl.why_not_act(lin.numel // n, n, ch["quant"].meta, ch["act"],
-                                        ch["group"])
-        return None if why is None else f"{self.impl.name}: {why}"
-
-    def optimize(self, graph) -> None:
-        """Move each linear (and its views, activation, clone) down to just before the views
-        and quantize step that read the activation.  Never raises."""
-        try:
-            users = graph.users()
-            for lin in [n for n in graph.nodes if n.op == LINEAR_I8]:
-                chain = _linear_act_users(users, lin)
-                if chain is None:
-                    continue
-                c = _one_user(users, chain[-1])
-                if c is not None and _is_clone_of(c, chain[-1]):
-                    chain.append(c)
-                _gather_to_quantize(graph, users, chain)
-        except Exception:
-            return
-
-    def _state(self, node) -> dict:
-        st = super()._state(node)
-        return dict(st, act=st["chain"]["act"], qgroup=st["chain"]["group"],
-                    extra=_dtype_kwargs(st["chain"]["dtype"]))
-
-    def compile(self, node) -> None:
-        comp = getattr(self.impl, "compile_act", None)
-        if comp is not None:
-            st = self._state(node)
-            comp(st["linear"], st["act"], st["qgroup"], **st["extra"])
-
-    def execute(self, ctx, node, state, inputs, out, workspace) -> None:
-        st = state
-        value = dict(zip(node.srcs, inputs))
-        qx, xs, qw, ws, bias = _linear_operands(self.impl, st, st["srcs"], value, workspace)
-        self.impl.run_act(qx, xs, qw, ws, bias, _acc_view(st, workspace), out, act=st["act"],
-                          group=st["qgroup"], **st["extra"])
+def _lactq_find(nodes, i):
+    """``sd.linear_i8 -> [_to_copy bf16|fp16] -> views* -> gelu|gelu_tanh|silu|sigmoid ->
+    [clone] -> views* -> quantize``; args ``act``, ``group`` (the quantize step's)."""
+    found = _linear_act_at(nodes, i)
+    if found is None:
+        return None
+    lin, cast, act_node, act, k = found
+    tail = _quantize_tail(nodes, k + 1, act_node)
+    if tail is None:
+        return None
+    value, quant, end = tail
+    return dict(_linear_chain(lin, cast, nodes[i:end], act=act, group=quant.params.get("group")),
+                value=value, quant=quant)
 
 
-class Int8LinearActFusion(_Int8LinearRule):
-    """Fusion rule ``int8_linear_act``::
+def _lactq_why_not(ch, kernel, dev) -> str | None:
+    why = _activation_why_not(kernel, ch)
+    if why is not None:
+        return why
+    return _prefixed(kernel, _quantize_why_not(ch["quant"], ch["value"].meta) or
+                     _kernel_why_not(ch, kernel, dev))
 
-        # sd.linear_i8 -> [_to_copy bf16|fp16] -> views* -> gelu|gelu_tanh|silu|sigmoid
-        #   =>  fused.int8_linear_act: torch._int_mm into workspace, then ONE pass per row
 
-    An activation after a quantized linear whose result is not quantized next (where it is,
-    the rule declines: ``int8_linear_act_quantize`` or ``act_quantize`` takes it): Flux's
-    single-stream MLP (``proj_mlp`` -> GELU(tanh), concatenated with the attention output
-    before ``proj_out``).  Each row is scaled (``linear_i8``'s epilogue), activated
-    (``int8_linear_act_quantize``'s activation maths) and stored, so the float linear output
-    is never written and read back by a separate activation pass.  Equal to
-    ``sd.linear_i8.v1`` followed by the project's activation kernels' maths (a few float32 ulp
-    from torch's vectorised activation, as ``act_quantize`` is; see the module docstring).
-    Priority 5: below ``int8_linear_act_quantize`` and ``int8_gated_residual`` (6), whose
-    chains start the same way and go further; above ``int8_linear_cast`` (4), which would take
-    a 16-bit layer's cast alone.
+def _lactq_gather(users, lin) -> list | None:
+    chain = _linear_act_users(users, lin)
+    if chain is not None:
+        c = _one_user(users, chain[-1])
+        if c is not None and _is_clone_of(c, chain[-1]):
+            chain.append(c)
+    return chain
 
-    ``impl``: as :class:`Int8GatedResidualFusion`'s for ``name``, ``why_not_linear``,
-    ``quantize``; ``why_not_act_out(m, n, out, act, dtype)`` (``out`` the activation's
-    metadata; never raises); ``act_out_dtypes`` (the chain dtypes it fuses); optional
-    ``compile_linear_act(linear, act, dtype)``; ``run_linear_act(qx, xs, qw, ws, bias, acc,
-    out, *, act, dtype)``: the GEMM into ``acc`` (int32 workspace) and the pass into ``out``
-    (``strided_out`` on the implementation: any row stride).  A device registers this rule
-    only when its implementation has these (``register_int8_fusions``'s ``linear_act``).
-    """
 
-    priority = 5
-    rule_name = "int8_linear_act"
+def _lact_find(nodes, i):
+    """``sd.linear_i8 -> [_to_copy bf16|fp16] -> views* -> gelu|gelu_tanh|silu|sigmoid``; args
+    ``act``."""
+    found = _linear_act_at(nodes, i)
+    if found is None:
+        return None
+    lin, cast, act_node, act, k = found
+    return dict(_linear_chain(lin, cast, nodes[i:k + 1], act=act), value=act_node)
 
-    def __init__(self, impl) -> None:
-        super().__init__(impl)
-        #: the kernel writes rows of any stride (a slice of a concatenation)
-        self.strided_out = bool(getattr(impl, "strided_out", False))
 
-    def _chain(self, nodes, i):
-        found = _linear_act_at(nodes, i)
-        if found is None:
-            return None
-        lin, cast, act_node, act, k = found
-        return dict(linear=lin, act=act, value=act_node, nodes=nodes[i:k + 1],
-                    srcs=linear_srcs(lin.srcs, lin.params),
-                    dtype=torch.float32 if cast is None else cast.meta.dtype)
+def _lact_outside(graph, ch) -> str | None:
+    users, last = graph.users(), ch["value"]
+    c = _one_user(users, last)
+    if c is not None and _is_clone_of(c, last):
+        last = c
+    if _follow_to_quantize(users, last) is not None:
+        return "the activation feeds a quantize step (int8_linear_act_quantize or act_quantize " \
+               "takes it)"
+    return None
 
-    def match(self, graph, i: int):
-        def find():
-            ch = self._chain(graph.nodes, i)
-            if ch is not None:
-                users, last = graph.users(), ch["value"]
-                c = _one_user(users, last)
-                if c is not None and _is_clone_of(c, last):
-                    last = c
-                ch["feeds_quantize"] = _follow_to_quantize(users, last) is not None
-            return ch
-        return _match_answer(find, self._why_not)
 
-    def _why_not(self, ch) -> str | None:
-        lin, v, dt = ch["linear"].meta, ch["value"].meta, ch["dtype"]
-        if ch.get("feeds_quantize"):
-            return ("the activation feeds a quantize step (int8_linear_act_quantize or "
-                    "act_quantize takes it)")
-        why = _activation_why_not(self.impl, ch, "act_out_dtypes")
-        if why is not None:
-            return why
-        why = self.impl.why_not_linear(ch["linear"])
-        if why is None:
-            n = lin.shape[-1]
-            why = self.impl.why_not_act_out(lin.numel // n, n, v, ch["act"], dt)
-        return None if why is None else f"{self.impl.name}: {why}"
+def _lact_why_not(ch, kernel, dev) -> str | None:
+    return _activation_why_not(kernel, ch) or _prefixed(kernel, _kernel_why_not(ch, kernel, dev))
 
-    def optimize(self, graph) -> None:
-        """Move each linear (and its cast and views) down to just before the activation that
-        reads it.  Never raises."""
-        try:
-            users = graph.users()
-            for lin in [n for n in graph.nodes if n.op == LINEAR_I8]:
-                chain = _linear_act_users(users, lin)
-                if chain is not None:
-                    _gather(graph, chain)
-        except Exception:
-            return
 
-    def _state(self, node) -> dict:
-        st = super()._state(node)
-        return dict(st, act=st["chain"]["act"], extra=_dtype_kwargs(st["chain"]["dtype"]))
+# -- int8_linear_cast
 
-    def compile(self, node) -> None:
-        comp = getattr(self.impl, "compile_linear_act", None)
-        if comp is not None:
-            st = self._state(node)
-            comp(st["linear"], st["act"], **st["extra"])
-
-    def execute(self, ctx, node, state, inputs, out, workspace) -> None:
-        st = state
-        value = dict(zip(node.srcs, inputs))
-        qx, xs, qw, ws, bias = _linear_operands(self.impl, st, st["srcs"], value, workspace)
-        self.impl.run_linear_act(qx, xs, qw, ws, bias, _acc_view(st, workspace), out,
-                                 act=st["act"], **st["extra"])
+#: ``_to_copy`` keyword arguments a cast may carry (with these values) and still be a plain cast
+_CAST_DEFAULTS = {"layout": (None, torch.strided), "pin_memory": (None, False),
+                  "non_blocking": (None, False),
+                  "memory_format": (None, torch.preserve_format, torch.contiguous_format)}
 
 
 def _cast_why_not(n) -> str | None:
@@ -858,73 +842,139 @@ def _is_clone_of(n, prev) -> bool:
         tuple(m.shape) == tuple(pm.shape) and m.dtype == pm.dtype
 
 
-# -- 1c. int8_linear_cast -------------------------------------------------------------------------
+def _cast_find(nodes, i):
+    """``sd.linear_i8 -> _to_copy`` (a float32 chain: the epilogue rounds once into the cast's
+    dtype, the output's)."""
+    lin = nodes[i]
+    if not _starts(lin) or i + 1 >= len(nodes):
+        return None
+    cast = nodes[i + 1]
+    if cast.op != "aten._to_copy.default" or cast.srcs != [lin]:
+        return None
+    return dict(_linear_chain(lin, None, nodes[i:i + 2]), cast=cast)
 
-#: ``_to_copy`` keyword arguments a cast may carry (with these values) and still be a plain cast
-_CAST_DEFAULTS = {"layout": (None, torch.strided), "pin_memory": (None, False),
-                  "non_blocking": (None, False),
-                  "memory_format": (None, torch.preserve_format, torch.contiguous_format)}
+
+def _cast_why_not_chain(ch, kernel, dev) -> str | None:
+    why = _cast_why_not(ch["cast"])
+    if why is not None:
+        return why
+    lin, c = ch["linear"].meta, ch["cast"].meta
+    if tuple(c.shape) != tuple(lin.shape) or not c.is_contiguous or c.device != lin.device:
+        return f"the cast's output {c.short()} is not the linear's rows, contiguous"
+    return _prefixed(kernel, _kernel_why_not(ch, kernel, dev))
 
 
-class Int8LinearCastFusion(_Int8LinearRule):
-    """Fusion rule ``int8_linear_cast``::
+#: The epilogues of ``sd.linear_i8.v1``, one row per fusion rule (a new fused epilogue: a row
+#: here and a :class:`FusedKernel` in each device's ``KERNELS``).  Meaning and numerics: the
+#: module docstring; per element the accumulator row goes through linear_i8's epilogue
+#: ``y = float32(acc[m, n]) * x_scale[m] * w_scale[n] + bias[n]`` (each operation rounded,
+#: no FMA), rounded to the chain's dtype T (a 16-bit layer's cast; nothing for float32), then:
+EPILOGUES = (
+    # sd.linear_i8 -> [_to_copy bf16|fp16] -> view/clone* -> [mul|div scalar]
+    #   -> mul(gate) -> add(residual)  =>  fused.int8_gated_residual
+    # The end of every quantized adaLN-Zero block (Flux/SD3 attention out-projections, their
+    # feed-forwards' last linear, Flux's single-block proj_out):
+    #   t = y * float32(s) | y / float32(s) | y;  g = gate * t;  out = residual + g
+    # each rounded to T on its own: bit for bit the unfused chain (int8_gated_residual_reference).
+    # A 16-bit gate or residual beside a float32 chain makes the chain promote: declined
+    # ("dtypes differ").  The accumulator goes into the output's own storage (converted in
+    # place, one pass that also reads the gate and residual rows) when that is contiguous
+    # float32.  Kernel args: y_shape, scale_op, scale, dtype; operands gate, residual.
+    Epilogue("int8_gated_residual", 6, _gr_find, _gr_why_not, gather=_gr_gather,
+             acc_in_out=True),
+    # sd.linear_i8 -> [_to_copy bf16|fp16] -> views* -> gelu|gelu_tanh|silu|sigmoid
+    #   -> [clone] -> views* -> quantize  =>  fused.int8_linear_act_quantize
+    # The feed-forward between two quantized linears (Flux's/SD3's ff.net[0].proj -> GELU(tanh)
+    # -> ff.net[2]): v = round_T(act(y)) (act_quantize's activation maths), then the quantize
+    # kernel's rotation and codes; bit for bit sd.linear_i8.v1 followed by fused.act_quantize.
+    # Kernel args: act, group (the quantize step's), dtype.
+    Epilogue("int8_linear_act_quantize", 6, _lactq_find, _lactq_why_not, gather=_lactq_gather,
+             to_quantize=True),
+    # sd.linear_i8 -> [_to_copy bf16|fp16] -> views* -> gelu|gelu_tanh|silu|sigmoid
+    #   =>  fused.int8_linear_act
+    # An activation whose result is not quantized next (where it is, declined: one of the two
+    # rules above takes it), e.g. Flux's single-stream MLP (proj_mlp -> GELU(tanh), written
+    # into its slice of the concatenation with the attention output): v = round_T(act(y))
+    # stored.  Priority 5: below the rules starting the same way that go further, above
+    # int8_linear_cast.  Kernel args: act, dtype.
+    Epilogue("int8_linear_act", 5, _lact_find, _lact_why_not, outside=_lact_outside,
+             gather=_linear_act_users),
+    # sd.linear_i8 -> _to_copy {dtype: bfloat16 | float16}  =>  fused.int8_linear_cast
+    # A 16-bit linear under quantize="w8a8" (patterns/quantize.py): y rounded once into the
+    # 16-bit output, bit for bit the pair.  Priority 4: the rules above take the cast too when
+    # an activation (and a quantize step) follows it.  Kernel args: dtype (float32).
+    Epilogue("int8_linear_cast", 4, _cast_find, _cast_why_not_chain),
+)
 
-        # sd.linear_i8 -> _to_copy {dtype: bfloat16 | float16}
-        #   =>  fused.int8_linear_cast: the integer GEMM into workspace, then the epilogue
-        #       writes the 16-bit output
 
-    A 16-bit linear under ``quantize="w8a8"`` (``patterns/quantize.py``) is the float32
-    ``sd.linear_i8.v1`` step followed by a cast to the layer's dtype; fused, the epilogue rounds
-    each float32 value once into the 16-bit output, so the float32 [M, N] result is never
-    written and read back.  Bit-exact to the pair.  Priority 4: below
-    ``int8_linear_act_quantize`` (6) and ``int8_linear_act`` (5), which take the cast too when
-    an activation (and a quantize step) follows it.
+# -- the rules ending at a quantize step ----------------------------------------------------------
 
-    ``impl``: as :class:`Int8GatedResidualFusion`'s for ``name``, ``why_not_linear``,
-    ``quantize``; ``why_not_cast(out)`` (the cast's metadata; never raises); optional
-    ``compile_cast(linear, dtype)``; ``run_cast(qx, xs, qw, ws, bias, acc, out)``: the GEMM into
-    ``acc`` (int32 workspace) and the epilogue into ``out``.  A device registers this rule
-    only when its implementation has these (``register_int8_fusions``'s ``linear_cast``).
-    """
+def _operand_meta(op) -> TensorMeta | None:
+    """The metadata a quantize-feeding kernel gets for ``(node, view, shape)``: the node's,
+    viewed as ``view`` and expanded to ``shape`` (None: as it is); None for no node or where
+    the expansion does not exist."""
+    node, view, shape = op
+    if node is None:
+        return None
+    m = node.meta if view is None else _reshaped(node.meta, view)
+    return m if shape is None else expanded_meta(m, shape)
 
-    priority = 4
-    rule_name = "int8_linear_cast"
 
-    def _chain(self, nodes, i):
-        lin = nodes[i]
-        if not Int8GatedResidualFusion._starts(lin) or i + 1 >= len(nodes):
-            return None
-        cast = nodes[i + 1]
-        if cast.op != "aten._to_copy.default" or cast.srcs != [lin]:
-            return None
-        return dict(linear=lin, cast=cast, nodes=nodes[i:i + 2],
-                    srcs=linear_srcs(lin.srcs, lin.params))
+def _operand_value(op, value: dict):
+    node, view, shape = op
+    if node is None:
+        return None
+    t = value[node]
+    if view is not None:
+        t = t.view(view)
+    return t if shape is None else t.expand(shape)
 
-    def _why_not(self, ch) -> str | None:
-        lin, c = ch["linear"].meta, ch["cast"].meta
-        why = _cast_why_not(ch["cast"])
-        if why is not None:
-            return why
-        if tuple(c.shape) != tuple(lin.shape) or not c.is_contiguous or c.device != lin.device:
-            return f"the cast's output {c.short()} is not the linear's rows, contiguous"
-        why = self.impl.why_not_linear(ch["linear"]) or self.impl.why_not_cast(c)
-        return None if why is None else f"{self.impl.name}: {why}"
+
+class QuantizeFeedFusion:
+    """What the rules ending at a quantize step share: matching through ``_find(nodes, i)``
+    (the chain: a dict with ``nodes``, ``quant`` (the quantize step), ``operands`` (``(node,
+    view shape or None, shape to expand to or None)`` per kernel operand; node None: absent)
+    and ``args`` (the kernel's keyword arguments), or None) and ``_why_not(chain)`` (the
+    rule's reasons), then the kernel's; the step runs the kernel on the operands.  The float
+    chain before the quantize step is never written: per row the kernel computes the chain's
+    values (rounded as the chain rounds them) and quantizes them (the quantize kernel's
+    rotation and codes) into the packed output.  The kernel (``impl``, a :class:`FusedKernel`):
+    ``why_not(*operands, out, **args)`` (operand metadata, ``out`` the packed output's; never
+    raises), optional ``compile(*operands, out, **args)``, ``run(*operands, out, **args)``
+    writing the packed layout into ``out``."""
+
+    priority = 6
+
+    def match(self, graph, i: int):
+        return _match_answer(lambda: self._find(graph.nodes, i), self._decline)
+
+    def _decline(self, ch) -> str | None:
+        why = self._why_not(ch)
+        if why is None:
+            why = _prefixed(self.impl, self.impl.why_not(
+                *(_operand_meta(op) for op in ch["operands"]), ch["quant"].meta, **ch["args"]))
+        return why
+
+    def _step(self, node) -> dict:
+        ch = self._find(node.annotations["fused"], 0)
+        return dict(operands=ch["operands"], args=ch["args"])
 
     def compile(self, node) -> None:
-        comp = getattr(self.impl, "compile_cast", None)
+        comp = getattr(self.impl, "compile", None)
         if comp is not None:
-            comp(self._state(node)["linear"], node.meta.dtype)
+            st = self._step(node)
+            comp(*(_operand_meta(op) for op in st["operands"]), node.meta, **st["args"])
+
+    def prepare(self, node):
+        return self._step(node), 0
 
     def execute(self, ctx, node, state, inputs, out, workspace) -> None:
-        st = state
         value = dict(zip(node.srcs, inputs))
-        qx, xs, qw, ws, bias = _linear_operands(self.impl, st, st["srcs"], value, workspace)
-        self.impl.run_cast(qx, xs, qw, ws, bias, _acc_view(st, workspace), out)
+        self.impl.run(*(_operand_value(op, value) for op in state["operands"]), out,
+                      **state["args"])
 
 
-# -- 2. modulation_quantize -----------------------------------------------------------------------
-
-class ModulationQuantizeFusion(ModulationFusion):
+class ModulationQuantizeFusion(QuantizeFeedFusion, ModulationFusion):
     """Fusion rule ``modulation_quantize``::
 
         # native_layer_norm -> getitem 0 -> [add(s, c) -> views] -> mul -> add
@@ -942,15 +992,11 @@ class ModulationQuantizeFusion(ModulationFusion):
     modulation kernels' reductions (module docstring).
 
     The quantize step must read the modulation output's rows as they are (views that keep the
-    last dim C), and the group must divide C.  Priority 6: above ``modulation`` (5).
-
-    ``impl``: ``name``; ``why_not(x, scale, shift, out, norm, group)`` (``scale``/``shift``
-    expanded to x's shape, ``out`` the packed output; never raises); optional ``compile(x,
-    scale, shift, out, norm, has_add, group)``; ``run(x, scale, shift, out, *, norm, eps,
-    add_c, group)`` writing the packed layout into ``out``.
+    last dim C), and the group must divide C.  Priority 6: above ``modulation`` (5).  Kernel
+    operands x, scale, shift (expanded to x's shape); args ``norm``, ``eps``, ``add_c``,
+    ``group``.
     """
 
-    priority = 6
     casts = False  # the quantize step reads the float result: no widened x, no narrowing cast
 
     def __init__(self, impl) -> None:
@@ -967,8 +1013,16 @@ class ModulationQuantizeFusion(ModulationFusion):
         views, quant = row_view_chain(nodes, k, ch["add"])
         if quant is None:
             return None
+        shape = tuple(ch["x"].meta.shape)
+        view = tuple(ch["s_op"].meta.shape) if ch["add_c"] is not None else None
         return dict(ch, views=views, quant=quant, group=quant.params.get("group"),
-                    nodes=nodes[i:k + len(views) + 1])
+                    nodes=nodes[i:k + len(views) + 1],
+                    operands=[(ch["x"], None, None), (ch["s_src"], view, shape),
+                              (ch["shift"], None, shape)],
+                    args=dict(norm=ch["kind"], eps=ch["eps"], add_c=ch["c"],
+                              group=quant.params.get("group")))
+
+    _find = _match_at
 
     @staticmethod
     def _affine_at(nodes, i):
@@ -990,33 +1044,11 @@ class ModulationQuantizeFusion(ModulationFusion):
                     up=None, down=None, out=n)
 
     def _why_not(self, ch) -> str | None:
-        why = super()._why_not(ch)
-        if why is None:
-            why = _quantize_why_not(ch["quant"], ch["add"].meta)
+        """``modulation``'s reasons, the quantize step's, then the expansion of scale/shift."""
+        why = super()._why_not(ch) or _quantize_why_not(ch["quant"], ch["add"].meta)
+        if why is None and any(_operand_meta(op) is None for op in ch["operands"][1:]):
+            why = "scale/shift do not broadcast to x"
         return why
-
-    def match(self, graph, i: int):
-        return _match_answer(lambda: self._match_at(graph.nodes, i), self._match_why_not)
-
-    def _match_why_not(self, ch) -> str | None:
-        """:meth:`_why_not`, then the implementation's reason on the expanded scale/shift."""
-        why = self._why_not(ch)
-        if why is None:
-            s, h = self._expanded(ch["x"].meta, ch["s_src"].meta, tuple(ch["s_op"].meta.shape),
-                                  ch["add_c"] is not None, ch["shift"].meta)
-            if s is None or h is None:
-                why = "scale/shift do not broadcast to x"
-            else:
-                why = self.impl.why_not(ch["x"].meta, s, h, ch["quant"].meta, ch["kind"],
-                                        ch["group"])
-                why = None if why is None else f"{self.impl.name}: {why}"
-        return why
-
-    @staticmethod
-    def _expanded(x, s_src, s_shape, has_add, shift):
-        shape = tuple(x.shape)
-        s = expanded_meta(_reshaped(s_src, s_shape) if has_add else s_src, shape)
-        return s, expanded_meta(shift, shape)
 
     def optimize(self, graph) -> None:
         """``modulation``'s reordering (each norm chain consecutive), then each chain moved down
@@ -1034,28 +1066,8 @@ class ModulationQuantizeFusion(ModulationFusion):
         except Exception:  # an optimisation only
             return
 
-    # -- running -----------------------------------------------------------------------------
-    def _parts(self, node) -> dict:
-        ch = self._match_at(node.annotations["fused"], 0)
-        return dict(x=ch["x"], s=ch["s_src"], shift=ch["shift"], kind=ch["kind"], eps=ch["eps"],
-                    c=ch["c"], s_shape=tuple(ch["s_op"].meta.shape),
-                    shape=tuple(ch["x"].meta.shape), group=ch["group"])
 
-    def compile(self, node) -> None:
-        comp = getattr(self.impl, "compile", None)
-        if comp is not None:
-            p = self._parts(node)
-            s, h = self._expanded(p["x"].meta, p["s"].meta, p["s_shape"], p["c"] is not None,
-                                  p["shift"].meta)
-            comp(p["x"].meta, s, h, node.meta, p["kind"], p["c"] is not None, p["group"])
-
-    def _run_extra(self, p: dict) -> dict:  # prepare/execute: ModulationFusion's
-        return {"group": p["group"]}
-
-
-# -- 3. rms_norm_quantize -------------------------------------------------------------------------
-
-class RmsNormQuantizeFusion:
+class RmsNormQuantizeFusion(QuantizeFeedFusion):
     """Fusion rule ``rms_norm_quantize``::
 
         # sd.rms_norm.v1(x[, w]) -> views* -> quantize  =>  fused.rms_norm_quantize
@@ -1063,47 +1075,35 @@ class RmsNormQuantizeFusion:
     RMSNorm (with or without its weight, ``patterns/rmsnorm.py``) read only by a quantize
     step: per row the RMSNorm kernel's statistic and roundings, then the quantize kernel's
     rotation and codes.  Bit-exact to the ``sd.rms_norm.v1`` kernel followed by the quantize
-    kernel.  Priority 6.
-
-    ``impl``: ``name``; ``why_not(x, w, norm_out, out, group, weight_in_float)``
-    (``norm_out``: the norm's own output metadata, whose dtype the kernel rounds to; ``out`` the
-    packed output; never raises); optional ``compile(x, w, norm_out, out, group)``;
-    ``run(x, w, out, *, eps, norm_dtype, weight_in_float, group)`` (``weight_in_float``:
-    torch.nn.RMSNorm's order, the weight multiplied in float32 and the product rounded once to
-    x's dtype).
+    kernel.  Priority 6.  Kernel operands x, w (None: no weight); args ``eps``,
+    ``norm_dtype`` (the norm's output dtype, which the kernel rounds to), ``weight_in_float``
+    (torch.nn.RMSNorm's order: the weight multiplied in float32 and the product rounded once
+    to x's dtype), ``group``.
     """
-
-    priority = 6
 
     def __init__(self, impl) -> None:
         self.impl = impl
         self.name = "rms_norm_quantize"
 
-    def _chain(self, nodes, i):
+    def _find(self, nodes, i):
         norm = nodes[i]
         if norm.op != RmsNorm.name or len(norm.srcs) not in (1, 2) or _tensor(norm) is None:
             return None
         views, quant = row_view_chain(nodes, i + 1, norm)
         if quant is None:
             return None
-        return dict(norm=norm, x=norm.srcs[0], w=norm.srcs[1] if len(norm.srcs) == 2 else None,
-                    eps=float(norm.params["eps"]), quant=quant, group=quant.params.get("group"),
-                    nodes=nodes[i:i + len(views) + 2])
-
-    def match(self, graph, i: int):
-        return _match_answer(lambda: self._chain(graph.nodes, i), self._why_not)
+        w = norm.srcs[1] if len(norm.srcs) == 2 else None
+        return dict(norm=norm, quant=quant, nodes=nodes[i:i + len(views) + 2],
+                    operands=[(norm.srcs[0], None, None), (w, None, None)],
+                    args=dict(eps=float(norm.params["eps"]), norm_dtype=norm.meta.dtype,
+                              weight_in_float=bool(norm.params.get("weight_in_float", False)),
+                              group=quant.params.get("group")))
 
     def _why_not(self, ch) -> str | None:
-        x, nm = ch["x"].meta, ch["norm"].meta
+        x = ch["norm"].srcs[0].meta
         if not isinstance(x, TensorMeta) or x.is_symbolic:
             return "symbolic or non-tensor x"
-        why = _quantize_why_not(ch["quant"], nm)
-        if why is None:
-            why = self.impl.why_not(x, None if ch["w"] is None else ch["w"].meta, nm,
-                                    ch["quant"].meta, ch["group"],
-                                    bool(ch["norm"].params.get("weight_in_float", False)))
-            why = None if why is None else f"{self.impl.name}: {why}"
-        return why
+        return _quantize_why_not(ch["quant"], ch["norm"].meta)
 
     def optimize(self, graph) -> None:
         """Move each norm down to just before its views and quantize step.  Never raises."""
@@ -1114,31 +1114,6 @@ class RmsNormQuantizeFusion:
         except Exception:
             return
 
-    def _parts(self, node) -> dict:
-        ch = self._chain(node.annotations["fused"], 0)
-        return dict(x=ch["x"], w=ch["w"], eps=ch["eps"], group=ch["group"],
-                    norm_meta=ch["norm"].meta,
-                    weight_in_float=bool(ch["norm"].params.get("weight_in_float", False)))
-
-    def compile(self, node) -> None:
-        comp = getattr(self.impl, "compile", None)
-        if comp is not None:
-            p = self._parts(node)
-            comp(p["x"].meta, None if p["w"] is None else p["w"].meta, p["norm_meta"],
-                 node.meta, p["group"])
-
-    def prepare(self, node):
-        return self._parts(node), 0
-
-    def execute(self, ctx, node, state, inputs, out, workspace) -> None:
-        p = state
-        value = dict(zip(node.srcs, inputs))
-        self.impl.run(value[p["x"]], None if p["w"] is None else value[p["w"]], out,
-                      eps=p["eps"], norm_dtype=p["norm_meta"].dtype,
-                      weight_in_float=p["weight_in_float"], group=p["group"])
-
-
-# -- 4./5. act_quantize, scale_quantize -----------------------------------------------------------
 
 def _pre_act_of(n) -> str | None:
     if n.op == "aten.sigmoid.default":
@@ -1146,44 +1121,70 @@ def _pre_act_of(n) -> str | None:
     return _act_of(n)
 
 
-class _PrologueQuantize:
-    """Shared matching and running of ``prologue -> [clone] -> views* -> quantize`` where the
-    prologue is elementwise on one tensor x (optionally times a second tensor, optionally
-    scaled by a Python number).  Subclasses define ``_head(nodes, i) -> (dict, k) | None``:
-    the prologue's description and the index after its nodes.
+def _act_head(nodes, i):
+    """``gelu|gelu_tanh|silu|sigmoid(x) [-> mul(b)]``: ``(prologue, index after it)`` or
+    None."""
+    n = nodes[i]
+    act = _pre_act_of(n)
+    if act is None or len(n.srcs) != 1 or _tensor(n) is None or \
+            (n.op == "aten.gelu.default" and set(n.params) - {"approximate"}):
+        return None
+    pro = dict(x=n.srcs[0], act=act, other=None, scale_op=None, scale=None)
+    k = i + 1
+    if k < len(nodes) and nodes[k].op == "aten.mul.Tensor" and not nodes[k].params:
+        b = _other(nodes[k], n)
+        if b is not None and _tensor(b) is not None and _tensor(nodes[k]) is not None and \
+                tuple(nodes[k].meta.shape) == tuple(n.meta.shape):
+            pro["other"] = b
+            k += 1
+    return pro, k
 
-    ``impl``: ``name``; ``why_not(x, other, out, act, scale_op, group)`` (``other`` expanded
-    to x's shape or None; ``out`` the packed output; never raises); optional ``compile(x,
-    other, out, act, scale_op, group)``; ``run(x, other, out, *, act, scale_op, scale,
-    group)`` (``other`` expanded to x's shape or None) writing the packed layout.
-    """
 
-    priority = 6
+def _scale_head(nodes, i):
+    """``mul|div(x, scalar)``: ``(prologue, index after it)`` or None (the scale made exact
+    where it can be, as in ``gated_residual``)."""
+    n = nodes[i]
+    if n.op not in ("aten.mul.Tensor", "aten.div.Tensor") or len(n.srcs) != 1 or \
+            set(n.params) != {"other"} or not _is_number(n.params["other"]) or \
+            _tensor(n) is None or _tensor(n.srcs[0]) is None or \
+            tuple(n.meta.shape) != tuple(n.srcs[0].meta.shape):
+        return None
+    op, s = exact_scale("mul" if n.op == "aten.mul.Tensor" else "div", float(n.params["other"]))
+    return dict(x=n.srcs[0], act=None, other=None, scale_op=op, scale=s), i + 1
 
-    def __init__(self, impl, name: str) -> None:
-        self.impl = impl
-        self.name = name
 
-    def _head(self, nodes, i):  # pragma: no cover - abstract
-        raise NotImplementedError
+class PrologueQuantizeFusion(QuantizeFeedFusion):
+    """A rule of :data:`PROLOGUES`: ``prologue -> [clone] -> views* -> quantize`` where the
+    prologue (``head(nodes, i) -> (dict, index after it) | None``) is elementwise on one tensor
+    x, optionally times a second tensor (``takes_mul``), optionally scaled by a Python number.
+    Per element, in x's dtype T with the chain's roundings::
 
-    def _chain(self, nodes, i):
+        v = round_T(act(x))                (the project's activation maths: module docstring)
+        v = round_T(v * b)                 (gated)
+        v = round_T(v * float32(s)) | round_T(v / float32(s))        (scaled)
+
+    then the quantize kernel's rotation and codes.  Priority 6.  Kernel operands x, the
+    multiplier expanded to x's shape (None: none); args ``act``, ``scale_op``, ``scale``,
+    ``group``."""
+
+    def __init__(self, impl, name: str, head, takes_mul: bool) -> None:
+        self.impl, self.name, self._head, self._takes_mul = impl, name, head, takes_mul
+
+    def _find(self, nodes, i):
         head = self._head(nodes, i)
         if head is None:
             return None
         pro, k = head
-        last = nodes[k - 1]
-        if k < len(nodes) and _is_clone_of(nodes[k], last):
-            last = nodes[k]
-            k += 1
-        views, quant = row_view_chain(nodes, k, last)
-        if quant is None:
+        tail = _quantize_tail(nodes, k, nodes[k - 1])
+        if tail is None:
             return None
-        return dict(pro, value=last, quant=quant, group=quant.params.get("group"),
-                    nodes=nodes[i:k + len(views) + 1])
-
-    def match(self, graph, i: int):
-        return _match_answer(lambda: self._chain(graph.nodes, i), self._why_not)
+        value, quant, end = tail
+        other = None if pro["other"] is None else (pro["other"], None,
+                                                   tuple(pro["x"].meta.shape))
+        return dict(pro, value=value, quant=quant, nodes=nodes[i:end],
+                    operands=[(pro["x"], None, None), other or (None, None, None)],
+                    args=dict(act=pro["act"], scale_op=pro["scale_op"], scale=pro["scale"],
+                              group=quant.params.get("group")))
 
     def _why_not(self, ch) -> str | None:
         x, v = ch["x"].meta, ch["value"].meta
@@ -1201,17 +1202,9 @@ class _PrologueQuantize:
             return "symbolic shapes"
         if tuple(v.shape) != tuple(x.shape):
             return f"the result's shape {tuple(v.shape)} is not x's {tuple(x.shape)}"
-        other = None
-        if ch["other"] is not None:
-            other = expanded_meta(ch["other"].meta, tuple(x.shape))
-            if other is None:
-                return "the multiplier does not broadcast to x"
-        why = _quantize_why_not(ch["quant"], v)
-        if why is None:
-            why = self.impl.why_not(x, other, ch["quant"].meta, ch["act"], ch["scale_op"],
-                                    ch["group"])
-            why = None if why is None else f"{self.impl.name}: {why}"
-        return why
+        if ch["other"] is not None and _operand_meta(ch["operands"][1]) is None:
+            return "the multiplier does not broadcast to x"
+        return _quantize_why_not(ch["quant"], v)
 
     def optimize(self, graph) -> None:
         """Move each prologue down to just before its clone, views and quantize step (Flux's
@@ -1233,95 +1226,23 @@ class _PrologueQuantize:
         except Exception:
             return
 
-    _takes_mul = False
 
-    def _parts(self, node) -> dict:
-        ch = self._chain(node.annotations["fused"], 0)
-        return dict(x=ch["x"], other=ch["other"], act=ch["act"], scale_op=ch["scale_op"],
-                    scale=ch["scale"], group=ch["group"], shape=tuple(ch["x"].meta.shape))
-
-    def compile(self, node) -> None:
-        comp = getattr(self.impl, "compile", None)
-        if comp is not None:
-            p = self._parts(node)
-            other = None if p["other"] is None else expanded_meta(p["other"].meta, p["shape"])
-            comp(p["x"].meta, other, node.meta, p["act"], p["scale_op"], p["group"])
-
-    def prepare(self, node):
-        return self._parts(node), 0
-
-    def execute(self, ctx, node, state, inputs, out, workspace) -> None:
-        p = state
-        value = dict(zip(node.srcs, inputs))
-        other = None if p["other"] is None else value[p["other"]].expand(p["shape"])
-        self.impl.run(value[p["x"]], other, out, act=p["act"], scale_op=p["scale_op"],
-                      scale=p["scale"], group=p["group"])
-
-
-class ActQuantizeFusion(_PrologueQuantize):
-    """Fusion rule ``act_quantize``::
-
-        # gelu|gelu_tanh|silu|sigmoid(x) [-> mul(b)] [-> clone] -> views* -> quantize
-        #   =>  fused.act_quantize (writes the packed int8 rows directly)
-
-    The activation between two quantized linears (Flux's/SD3's feed-forward: ``linear_i8 ->
-    gelu(tanh) -> clone -> quantize -> linear_i8``; the timestep embedders' SiLU), and the gated
-    forms ``act(a) * b`` (SwiGLU ``silu(gate) * up``, GEGLU ``hidden * gelu(gate)``, ``silu |
-    sigmoid -> mul``) where ``a`` and ``b`` may be strided (the two halves of one linear's
-    output) and ``b`` may broadcast.  Per element, in x's dtype T with the chain's roundings::
-
-        v = round_T(act(x))                (the project's activation maths: module docstring)
-        v = round_T(v * b)                 (gated)
-
-    then the quantize kernel's rotation and codes.  Priority 6.
-    """
-
-    _takes_mul = True
-
-    def __init__(self, impl) -> None:
-        super().__init__(impl, "act_quantize")
-
-    def _head(self, nodes, i):
-        n = nodes[i]
-        act = _pre_act_of(n)
-        if act is None or len(n.srcs) != 1 or _tensor(n) is None or \
-                (n.op == "aten.gelu.default" and set(n.params) - {"approximate"}):
-            return None
-        pro = dict(x=n.srcs[0], act=act, other=None, scale_op=None, scale=None)
-        k = i + 1
-        if k < len(nodes) and nodes[k].op == "aten.mul.Tensor" and not nodes[k].params:
-            b = _other(nodes[k], n)
-            if b is not None and _tensor(b) is not None and _tensor(nodes[k]) is not None and \
-                    tuple(nodes[k].meta.shape) == tuple(n.meta.shape):
-                pro["other"] = b
-                k += 1
-        return pro, k
-
-
-class ScaleQuantizeFusion(_PrologueQuantize):
-    """Fusion rule ``scale_quantize``::
-
-        # mul|div(x, scalar) [-> clone] -> views* -> quantize  =>  fused.scale_quantize
-
-    A scale by a Python number before a quantize step (a rescale factor before a projection),
-    computed as the native op computes it (``round_T(x * float32(s))``, ``round_T(x /
-    float32(s))``; division by a power of two becomes the exact multiplication, and ``* 1`` is
-    dropped, as in ``gated_residual``), then the quantize kernel's rotation and codes.
-    Priority 6."""
-
-    def __init__(self, impl) -> None:
-        super().__init__(impl, "scale_quantize")
-
-    def _head(self, nodes, i):
-        n = nodes[i]
-        if n.op not in ("aten.mul.Tensor", "aten.div.Tensor") or len(n.srcs) != 1 or \
-                set(n.params) != {"other"} or not _is_number(n.params["other"]) or \
-                _tensor(n) is None or _tensor(n.srcs[0]) is None or \
-                tuple(n.meta.shape) != tuple(n.srcs[0].meta.shape):
-            return None
-        op, s = exact_scale("mul" if n.op == "aten.mul.Tensor" else "div",
-                            float(n.params["other"]))
-        return dict(x=n.srcs[0], act=None, other=None, scale_op=op, scale=s), i + 1
+#: The prologues before a quantize step, one row per rule: (name, head, takes a multiplier).
+PROLOGUES = (
+    # gelu|gelu_tanh|silu|sigmoid(x) [-> mul(b)] [-> clone] -> views* -> quantize
+    #   =>  fused.act_quantize
+    # The activation between two quantized linears (Flux's/SD3's feed-forward: linear_i8 ->
+    # gelu(tanh) -> clone -> quantize -> linear_i8; the timestep embedders' SiLU), and the gated
+    # forms act(a) * b (SwiGLU silu(gate) * up, GEGLU hidden * gelu(gate), silu | sigmoid ->
+    # mul) where a and b may be strided (the two halves of one linear's output) and b may
+    # broadcast.
+    ("act_quantize", _act_head, True),
+    # mul|div(x, scalar) [-> clone] -> views* -> quantize  =>  fused.scale_quantize
+    # A scale by a Python number before a quantize step (a rescale factor before a projection),
+    # computed as the native op computes it (division by a power of two becomes the exact
+    # multiplication, and * 1 is dropped, as in gated_residual).
+    ("scale_quantize", _scale_head, False),
+)
 
 
 # -- a torch implementation of the quantize-feeding interfaces (tests, and a model) ---------------
@@ -1337,7 +1258,7 @@ class ReferenceQuantizeImpl:
         self.decline = decline
         self.calls = 0
 
-    def why_not(self, *args):
+    def why_not(self, *args, **kw):
         return self.decline
 
     def run(self, *args, **kw):
@@ -1354,20 +1275,20 @@ class ReferenceQuantizeImpl:
         out.copy_(quantize_i8_convrot_reference(y, kw["group"]))
 
 
-def register_int8_fusions(device: str, gated_residual, linear_act_quantize, modulation_quantize,
-                          rms_norm_quantize, prologue_quantize, linear_cast=None,
-                          linear_act=None) -> None:
-    """Register this file's rules for ``device`` with that device's implementation objects
-    (``prologue_quantize`` serves both ``act_quantize`` and ``scale_quantize``;
-    ``int8_linear_cast`` only when ``linear_cast`` is given, ``int8_linear_act`` only when
-    ``linear_act`` is)."""
-    if linear_cast is not None:
-        fxbackend.register_fusion(device, Int8LinearCastFusion(linear_cast))
-    if linear_act is not None:
-        fxbackend.register_fusion(device, Int8LinearActFusion(linear_act))
-    fxbackend.register_fusion(device, Int8GatedResidualFusion(gated_residual))
-    fxbackend.register_fusion(device, Int8LinearActQuantizeFusion(linear_act_quantize))
-    fxbackend.register_fusion(device, ModulationQuantizeFusion(modulation_quantize))
-    fxbackend.register_fusion(device, RmsNormQuantizeFusion(rms_norm_quantize))
-    fxbackend.register_fusion(device, ActQuantizeFusion(prologue_quantize))
-    fxbackend.register_fusion(device, ScaleQuantizeFusion(prologue_quantize))
+#: the rules ending at a quantize step: ``(rule name, the rule for its kernel)``
+QUANTIZE_FEEDS = (("modulation_quantize", ModulationQuantizeFusion),
+                  ("rms_norm_quantize", RmsNormQuantizeFusion)) + tuple(
+    (name, functools.partial(PrologueQuantizeFusion, name=name, head=head, takes_mul=mul))
+    for name, head, mul in PROLOGUES)
+
+
+def register_int8_fusions(device: str, dev: Int8Device, kernels: dict) -> None:
+    """Register this file's rules for ``device``: each rule that ``kernels`` (rule name ->
+    :class:`FusedKernel`) names, with its kernel; the rules after a linear run its GEMM and
+    quantize its float operands with ``dev`` (the device's ``patterns/int8.Int8Device``)."""
+    for spec in EPILOGUES:
+        if spec.name in kernels:
+            fxbackend.register_fusion(device, Int8EpilogueFusion(spec, dev, kernels[spec.name]))
+    for name, rule in QUANTIZE_FEEDS:
+        if name in kernels:
+            fxbackend.register_fusion(device, rule(kernels[name]))

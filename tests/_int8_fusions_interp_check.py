@@ -16,8 +16,9 @@ stdin: a JSON list of cases, each with ``"id"`` and ``"kind"``:
 - ``{"kind": "lactq", "m", "k", "n", "group", "out_group", "act", "bias", "block"}``:
   ``int8_linear_act_quantize_triton`` bit-equal to the unfused Triton pair
   (``linear_i8_triton`` then ``act_quantize_triton``);
-- ``{"kind": "lcast", "m", "k", "n", "group", "dtype", "bias"}``: ``Int8LinearCastCUDA``'s
-  step (the epilogue storing bfloat16/float16) bit-equal to the float32 epilogue cast by torch;
+- ``{"kind": "lcast", "m", "k", "n", "group", "dtype", "bias"}``: the CUDA ``int8_linear_cast``
+  kernel's step (the GEMM, then the epilogue storing bfloat16/float16) bit-equal to the float32
+  epilogue cast by torch;
 - ``{"kind": "modq", "shape", "dtype", "norm", "add_c", "group", "layout"}``:
   ``modulation_quantize_triton`` bit-equal to ``quantize_i8_convrot_triton(modulation_triton(
   ...))``, the unfused Triton chain; layout "chunk" (scale/shift strided [B, 1, C] chunks of an
@@ -30,6 +31,9 @@ stdin: a JSON list of cases, each with ``"id"`` and ``"kind"``:
   sigmoid (no unfused Triton kernel: codes within one step, scales within 1e-6 relative);
   ``other``: None, "half" (the two strided halves of one [M, 2K] tensor, SwiGLU) or "bcast" (a
   [M, 1] multiplier); ``block``: a small block makes a row take the two-pass path.
+
+Every case also runs the rule's kernel record (``KERNELS[rule].run``, what a plan's step calls)
+on the same operands and checks that it writes what the direct call wrote.
 
 stdout: one JSON line per case ``{"id", "ok", "msg"}``.  Importing this module imports neither
 Triton nor fxbackend.
@@ -57,6 +61,17 @@ def _acts(shape, dtype, g, torch):
 def _diff(got, want) -> str:
     n = int((got != want).sum())
     return f"{n} of {got.numel()} differ"
+
+
+def _rule_run(rule: str, got, *args, **kw) -> None:
+    """The rule's kernel (``cuda_kernels/int8_fusions.KERNELS[rule].run``, what a plan's step
+    runs) on ``args`` writes what the direct call wrote into ``got`` (``kw["out"]``: its output,
+    one of ``args``)."""
+    import torch
+    from fxbackend.cuda_kernels.int8_fusions import KERNELS
+    out = kw.pop("out")
+    KERNELS[rule].run(*args, **kw)
+    assert torch.equal(out, got), f"the {rule} kernel: " + _diff(out, got)
 
 
 def run_gr(case: dict) -> dict:
@@ -98,6 +113,12 @@ def run_gr(case: dict) -> dict:
                                          y_shape=(b, s, n), scale_op=op, scale=sc,
                                          div_reciprocal=True, **extra)
     assert got is out and torch.equal(got, want), _diff(got, want)
+    from fxbackend.cuda_kernels.int8 import DEVICE
+    from fxbackend.patterns.int8_fusions import direct_gemm
+    out2 = torch.full_like(out, float("nan"))
+    acc, xs = direct_gemm(DEVICE, x_kind, group, b * s, k, n, x, x_scale, wq, out2)
+    _rule_run("int8_gated_residual", got, acc, xs, ws, bias, out2, gate, res, out=out2,
+              y_shape=(b, s, n), scale_op=op, scale=sc, dtype=torch.float32)
     return {}
 
 
@@ -121,6 +142,9 @@ def run_lactq(case: dict) -> dict:
     y = linear_i8_triton(qx, wq, ws, xs, bias, x_kind="int8", group=group)
     want = act_quantize_triton(y, act=act, group=og, block=case["block"])
     assert torch.equal(got, want), _diff(got, want)
+    out = torch.empty_like(got)
+    _rule_run("int8_linear_act_quantize", got, torch._int_mm(qx, wq.t()), xs, ws, bias, out,
+              out=out, act=act, group=og, dtype=torch.float32)
     return {}
 
 
@@ -128,8 +152,8 @@ def run_lcast(case: dict) -> dict:
     """``int8_linear_cast``'s CUDA step (GEMM, then the epilogue storing 16-bit values) equals
     the float32 epilogue rounded by torch."""
     import torch
-    from fxbackend.cuda_kernels.int8_fusions import Int8LinearCastCUDA
-    from fxbackend.cuda_kernels.int8 import epilogue_triton
+    from fxbackend.cuda_kernels.int8 import epilogue_triton, int_mm
+    from fxbackend.cuda_kernels.int8_fusions import KERNELS
     from fxbackend.patterns.int8 import quantize_i8_convrot_reference, \
         quantize_weight_i8_reference, unpack
 
@@ -141,8 +165,9 @@ def run_lcast(case: dict) -> dict:
     wq, ws = quantize_weight_i8_reference(torch.randn(n, k, generator=g) * 0.1, group)
     bias = torch.randn(n, generator=g).to(dt) if case["bias"] else None
     got = torch.empty(m, n, dtype=dt)
-    Int8LinearCastCUDA().run_cast(qx, xs, wq, ws, bias, torch.empty(m, n, dtype=torch.int32),
-                                  got)
+    acc = torch.empty(m, n, dtype=torch.int32)
+    int_mm(qx, wq, acc)
+    KERNELS["int8_linear_cast"].run(acc, xs, ws, bias, got)
     acc = torch._int_mm(qx, wq.t())
     y = torch.empty(m, n)
     epilogue_triton(acc, y, xs, ws, bias)
@@ -172,6 +197,9 @@ def run_modq(case: dict) -> dict:
     got = modulation_quantize_triton(x, scale, shift, group=case["group"], **kw)
     want = quantize_i8_convrot_triton(modulation_triton(x, scale, shift, **kw), case["group"])
     assert torch.equal(got, want), _diff(got, want)
+    out = torch.empty_like(got)
+    _rule_run("modulation_quantize", got, x, scale.expand(x.shape), shift.expand(x.shape), out,
+              out=out, group=case["group"], **kw)
     return {}
 
 
@@ -189,6 +217,11 @@ def run_rmsq(case: dict) -> dict:
     got = rms_norm_quantize_triton(x, w, 1e-6, case["group"])
     want = quantize_i8_convrot_triton(rms_norm_triton(x, w, 1e-6), case["group"])
     assert torch.equal(got, want), _diff(got, want)
+    from fxbackend.patterns.rmsnorm import rms_norm_out_dtype
+    out = torch.empty_like(got)
+    _rule_run("rms_norm_quantize", got, x, w, out, out=out, eps=1e-6,
+              norm_dtype=rms_norm_out_dtype(x.dtype, None if w is None else w.dtype),
+              weight_in_float=False, group=case["group"])
     return {}
 
 
@@ -227,6 +260,9 @@ def run_preq(case: dict) -> dict:
         torch.testing.assert_close(sg, sw, rtol=1e-6, atol=0)
     else:
         assert torch.equal(got, want), _diff(got, want)
+    out = torch.empty_like(got)
+    _rule_run("act_quantize", got, x, None if other is None else other.expand(x.shape), out,
+              out=out, act=act, scale_op=op, scale=sc, group=group)
     return {}
 
 

@@ -44,7 +44,7 @@ from fxbackend.cpu_kernels.rmsnorm import rms_norm_cpu
 from fxbackend.cuda_kernels import int8_fusions as cuda_f
 from fxbackend.patterns.int8 import (quantize_i8_convrot_reference,
                                      quantize_weight_i8_reference, unpack)
-from fxbackend.patterns.int8_fusions import (Int8LinearCastFusion, ModulationQuantizeFusion,
+from fxbackend.patterns.int8_fusions import (EPILOGUES, ModulationQuantizeFusion,
                                              ReferenceQuantizeImpl,
                                              act_quantize_reference,
                                              int8_gated_residual_reference,
@@ -290,32 +290,39 @@ def _meta(shape, dtype=F32, device="cpu", stride=None):
 
 
 def test_why_not_on_metadata():
+    cpu, cuda = cpu_f.KERNELS, cuda_f.KERNELS
     x, s = _meta((2, 5, 64)), _meta((2, 5, 64), stride=(384, 0, 1))
     out = _meta((12 * 64 + 4 * 12,), torch.int8)  # 10 rows: 12 packed rows and their scales
-    assert cpu_f.ModulationQuantizeCPU().why_not(x, s, s, out, "layer", 16) is None
-    assert "group" in cpu_f.ModulationQuantizeCPU().why_not(x, s, s, out, "layer", 48)
-    assert "packed" in cpu_f.ModulationQuantizeCPU().why_not(x, s, s, _meta((7,), torch.int8),
-                                                             "layer", 16)
-    assert "CUDA" in cuda_f.ModulationQuantizeCUDA().why_not(x, s, s, out, "layer", 16)
+    mod = dict(norm="layer", eps=1e-6, add_c=1.0)
+    assert cpu["modulation_quantize"].why_not(x, s, s, out, group=16, **mod) is None
+    assert "group" in cpu["modulation_quantize"].why_not(x, s, s, out, group=48, **mod)
+    assert "packed" in cpu["modulation_quantize"].why_not(x, s, s, _meta((7,), torch.int8),
+                                                          group=16, **mod)
+    assert "CUDA" in cuda["modulation_quantize"].why_not(x, s, s, out, group=16, **mod)
     xc, sc, oc = (_meta(m.shape, m.dtype, "cuda", m.stride) for m in (x, s, out))
-    assert cuda_f.ModulationQuantizeCUDA().why_not(xc, sc, sc, oc, "layer", 16) is None
+    assert cuda["modulation_quantize"].why_not(xc, sc, sc, oc, group=16, **mod) is None
     wide = _meta((2, 8192), device="cuda")
-    assert "MAX_D" in cuda_f.ModulationQuantizeCUDA().why_not(
-        wide, wide, wide, _meta((4 * 8192 + 16,), torch.int8, "cuda"), "layer", 256)
+    assert "MAX_D" in cuda["modulation_quantize"].why_not(
+        wide, wide, wide, _meta((4 * 8192 + 16,), torch.int8, "cuda"), group=256, **mod)
     # act_quantize: long rows are fine on both devices (two passes on CUDA)
     xl = _meta((4, 12288), device="cuda")
-    assert cuda_f.PrologueQuantizeCUDA().why_not(
-        xl, None, _meta((4 * 12288 + 16,), torch.int8, "cuda"), "gelu_tanh", None, 256) is None
-    assert "dtypes" in cpu_f.PrologueQuantizeCPU().why_not(
-        _meta((4, 32)), _meta((4, 32), BF16), _meta((4 * 32 + 16,), torch.int8), "silu", None, 4)
+    pre = dict(scale_op=None, scale=None)
+    assert cuda["act_quantize"].why_not(
+        xl, None, _meta((4 * 12288 + 16,), torch.int8, "cuda"), act="gelu_tanh", group=256,
+        **pre) is None
+    assert "dtypes" in cpu["act_quantize"].why_not(
+        _meta((4, 32)), _meta((4, 32), BF16), _meta((4 * 32 + 16,), torch.int8), act="silu",
+        group=4, **pre)
     y, gate = _meta((2, 5, 8)), _meta((2, 1, 8), stride=(48, 8, 1))
-    assert cpu_f.Int8GatedResidualCPU().why_not(y, gate, y, y) is None
+    gr = dict(y_shape=(2, 5, 8), scale_op=None, scale=None, dtype=F32)
+    assert cpu["int8_gated_residual"].why_not(y, y, gate, y, **gr) is None
     # a 16-bit chain (the cast after the linear) is the kernel's too; mixed dtypes are not
-    assert cpu_f.Int8GatedResidualCPU().why_not(*(_meta((2, 5, 8), BF16),) * 4) is None
-    assert "dtype" in cpu_f.Int8GatedResidualCPU().why_not(y, _meta((2, 5, 8), BF16), y, y)
-    assert "cuda" in cuda_f.Int8GatedResidualCUDA().why_not(y, gate, y, y).lower()
-    assert not getattr(cuda_f.Int8GatedResidualCUDA, "capture_safe", False)  # float weights
-    assert cuda_f.ModulationQuantizeCUDA.capture_safe and cuda_f.PrologueQuantizeCUDA.capture_safe
+    assert cpu["int8_gated_residual"].why_not(*(_meta((2, 5, 8), BF16),) * 4,
+                                              **dict(gr, dtype=BF16)) is None
+    assert "dtype" in cpu["int8_gated_residual"].why_not(y, y, _meta((2, 5, 8), BF16), y, **gr)
+    assert "cuda" in cuda["int8_gated_residual"].why_not(y, y, gate, y, **gr).lower()
+    assert not cuda["int8_gated_residual"].capture_safe  # float weights
+    assert cuda["modulation_quantize"].capture_safe and cuda["act_quantize"].capture_safe
 
 
 # -- the Triton kernels ----------------------------------------------------------------------------
@@ -891,12 +898,12 @@ def test_int8_linear_cast_is_the_pair_bit_for_bit(dtype):
 
 
 def test_int8_linear_cast_declines_a_cast_with_other_options():
-    rule = Int8LinearCastFusion(cpu_f.Int8LinearCastCPU())
+    (spec,) = [e for e in EPILOGUES if e.name == "int8_linear_cast"]
     ch = dict(linear=None, cast=type("N", (), {"params": {"dtype": torch.bfloat16,
                                                           "memory_format": torch.channels_last},
                                               "meta": None})())
     ch["linear"] = type("N", (), {"meta": TensorMeta((4, 8), (8, 1), torch.float32, torch.device("cpu"))})()
-    assert "memory_format" in rule._why_not(ch)
+    assert "memory_format" in spec.why_not(ch, cpu_f.KERNELS["int8_linear_cast"], cpu_i8.DEVICE)
 
 
 class _Ff16(nn.Module):
