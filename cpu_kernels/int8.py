@@ -70,8 +70,8 @@ import fxbackend
 from fxbackend import TensorMeta, services
 from fxbackend.patterns.int8 import (FLOATS, REGULAR_HADAMARD_GROUPS, Int8Device, LinearKernel,
                                      QuantizeKernel, check_linear, hadamard_stages,
-                                     linear_node_why_not, packed_nbytes, quantize_packed,
-                                     run_linear, scales_why_not)
+                                     linear_node_why_not, quantize_direct, run_linear,
+                                     scales_why_not)
 
 from . import _numba
 from . import rope as _rope
@@ -338,17 +338,7 @@ def quantize_i8_convrot_cpu(x: torch.Tensor, group: int = 1,
         "x is not a tensor"
     if why is not None:
         raise ValueError(f"quantize_i8_convrot_cpu: unsupported input: {why}")
-    k = x.shape[-1]
-    m = x.numel() // k
-    nb = packed_nbytes(m, k)
-    if out is None:
-        out = torch.empty(nb, dtype=torch.int8)
-    elif out.dtype != torch.int8 or tuple(out.shape) != (nb,) or not out.is_contiguous() or \
-            out.storage_offset() % 4 or out.device.type != "cpu":
-        raise ValueError(f"quantize_i8_convrot_cpu: out must be a contiguous 1-D int8 CPU "
-                         f"tensor of {nb} bytes at a storage offset divisible by 4")
-    quantize_packed(DEVICE, x, group, out, m, k)
-    return out
+    return quantize_direct(DEVICE, "quantize_i8_convrot_cpu", x, group, out)
 
 
 def _check_cancelled() -> None:

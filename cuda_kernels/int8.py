@@ -53,8 +53,8 @@ from fxbackend.cuda_kernels.rope import DTYPES, _cdiv, _launch_on, _next_pow2, _
     lazy_kernel
 from fxbackend.patterns.int8 import (REGULAR_HADAMARD_GROUPS, Int8Device, LinearKernel,
                                      QuantizeKernel, check_linear, hadamard_stages,
-                                     linear_node_why_not, packed_nbytes, quantize_packed,
-                                     run_linear, scales_why_not)
+                                     linear_node_why_not, quantize_direct, run_linear,
+                                     scales_why_not)
 
 __all__ = ["quantize_i8_convrot_triton", "quantize_rows_triton", "epilogue_triton",
            "linear_i8_triton", "linear_why_not", "int_mm", "DEVICE", "quantize_kernel",
@@ -218,18 +218,7 @@ def quantize_i8_convrot_triton(x: torch.Tensor, group: int = 1, out: torch.Tenso
     why = _why_not_quantize(TensorMeta.of(x), group, any_device=True)
     if why is not None:
         raise ValueError(f"quantize_i8_convrot_triton: unsupported input: {why}")
-    k = x.shape[-1]
-    m = x.numel() // k
-    nb = packed_nbytes(m, k)
-    if out is None:
-        out = torch.empty(nb, dtype=torch.int8, device=x.device)
-    elif out.dtype != torch.int8 or tuple(out.shape) != (nb,) or not out.is_contiguous() or \
-            out.storage_offset() % 4 or out.device != x.device:
-        raise ValueError(f"quantize_i8_convrot_triton: out must be a contiguous 1-D int8 "
-                         f"tensor of {nb} bytes on {x.device} at a storage offset divisible "
-                         f"by 4")
-    quantize_packed(_device(block), x, group, out, m, k)
-    return out
+    return quantize_direct(_device(block), "quantize_i8_convrot_triton", x, group, out)
 
 
 def epilogue_triton(acc: torch.Tensor, out: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor,

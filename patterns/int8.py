@@ -126,7 +126,7 @@ __all__ = ["REGULAR_HADAMARD_GROUPS", "MAX_K", "QMAX", "X_KINDS", "W_KINDS", "ha
            "quantize_weight_i8_reference", "int_dot", "linear_i8_reference", "check_linear",
            "linear_node_operands", "linear_srcs", "linear_node_why_not", "scales_why_not",
            "WeightState", "FLOATS", "Int8Device", "QuantizeKernel", "LinearKernel",
-           "quantize_packed", "x_operand", "run_linear", "float_operands",
+           "quantize_packed", "quantize_direct", "x_operand", "run_linear", "float_operands",
            "compile_quantized_operands", "QuantizeI8ConvRot", "LinearI8", "Int8LibraryOps",
            "quantize_i8_convrot", "linear_i8"]
 
@@ -666,6 +666,24 @@ def quantize_packed(dev: Int8Device, x, group: int, packed, m: int, k: int) -> N
     mp = padded_rows(m)
     dev.quantize_rows(x, group, packed[:mp * k], packed[mp * k:mp * k + 4 * mp].view(torch.float32),
                       m, mp)
+
+
+def quantize_direct(dev: Int8Device, who: str, x, group: int, out=None):
+    """A direct call (tests, benchmarks) of ``dev``'s quantize kernel on an x it takes: the
+    packed layout, into ``out`` when given (a contiguous 1-D int8 tensor of
+    ``packed_nbytes(M, K)`` bytes on x's device at a storage offset divisible by 4: the float32
+    scales must be aligned; ValueError naming ``who`` otherwise), else a new tensor."""
+    k = x.shape[-1]
+    m = x.numel() // k
+    nb = packed_nbytes(m, k)
+    if out is None:
+        out = torch.empty(nb, dtype=torch.int8, device=x.device)
+    elif out.dtype != torch.int8 or tuple(out.shape) != (nb,) or not out.is_contiguous() or \
+            out.storage_offset() % 4 or out.device != x.device:
+        raise ValueError(f"{who}: out must be a contiguous 1-D int8 tensor of {nb} bytes on "
+                         f"{x.device} at a storage offset divisible by 4")
+    quantize_packed(dev, x, group, out, m, k)
+    return out
 
 
 def x_operand(dev: Int8Device, x_kind: str, group: int, M: int, K: int, x, x_scale,
