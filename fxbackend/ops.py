@@ -36,7 +36,7 @@ from typing import Any, Sequence
 
 import torch
 
-from . import registry
+from .generation import bump as bump_generation
 from .ir import Graph, Node, TensorMeta, _is_contiguous
 
 __all__ = ["register_op", "unregister_op", "get_op", "op_create", "registered_ops",
@@ -76,7 +76,7 @@ def register_op(op: Any) -> Any:
             raise ValueError(f"custom op {name} is already registered; register a new version "
                              f"(e.g. {name.rsplit('.v', 1)[0]}.v{int(name.rsplit('.v', 1)[1]) + 1})")
         _ops[name] = inst
-        registry._bump()
+        bump_generation()
     return inst
 
 
@@ -84,7 +84,7 @@ def unregister_op(name: str) -> None:
     """Remove a custom op (tests, plugin unloading); bumps the registry generation."""
     with _lock:
         del _ops[name]
-        registry._bump()
+        bump_generation()
 
 
 def get_op(name: str) -> Any | None:

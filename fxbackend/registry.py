@@ -21,7 +21,9 @@ import threading
 from collections import defaultdict
 from typing import Any
 
+from .generation import bump as _bump, generation
 from .ir import Node
+from .ops import get_op
 
 __all__ = ["register_kernel", "unregister_kernel", "select_kernel", "kernels_for",
            "declined_kernels",
@@ -29,18 +31,8 @@ __all__ = ["register_kernel", "unregister_kernel", "select_kernel", "kernels_for
 
 _lock = threading.RLock()
 _kernels: dict[str, dict[str, list[Any]]] = defaultdict(lambda: defaultdict(list))
-_generation = 0
-
-
-def generation() -> int:
-    """A counter bumped by every registration change; plans built under an older one rebuild."""
-    return _generation
-
-
-def _bump() -> None:
-    global _generation
-    with _lock:
-        _generation += 1
+# ``generation()`` and ``_bump()`` (which fusion and rewrite rules call too) are
+# :mod:`fxbackend.generation`'s, shared with the op table
 
 
 def register_kernel(device: str, kernel: Any) -> Any:
@@ -166,7 +158,6 @@ class NativeKernel:
     def supports(self, node: Node) -> bool:
         if node.target is not None:
             return True
-        from .ops import get_op
         op = get_op(node.op)
         return op is not None and callable(getattr(op, "execute", None))
 
