@@ -92,7 +92,7 @@ import torch
 import fxbackend
 from fxbackend import TensorMeta, contiguous_strides
 
-from .activation import _act_of
+from .activation import _act_of, act_reference
 from .gated_residual import (GatedResidualFusion, _broadcasts, _is_number, _is_scale, _other,
                              _overlaps, _tensor, exact_scale, gated_residual_reference)
 from .int8 import (REGULAR_HADAMARD_GROUPS, Int8Device, WeightState, check_linear,
@@ -170,15 +170,9 @@ def rms_norm_quantize_reference(x, weight, eps, group=1):
 
 
 def _act_torch(v: torch.Tensor, act: str) -> torch.Tensor:
-    if act == "gelu_tanh":
-        return torch.nn.functional.gelu(v, approximate="tanh")
-    if act == "gelu":
-        return torch.nn.functional.gelu(v)
-    if act == "silu":
-        return torch.nn.functional.silu(v)
-    if act == "sigmoid":
-        return torch.sigmoid(v)
-    raise ValueError(f"activation must be one of {PRE_ACTS}, got {act!r}")
+    if act not in PRE_ACTS:
+        raise ValueError(f"activation must be one of {PRE_ACTS}, got {act!r}")
+    return torch.sigmoid(v) if act == "sigmoid" else act_reference(v, act)
 
 
 def prologue_reference(x, *, act=None, other=None, scale_op=None, scale=None,
