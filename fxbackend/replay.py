@@ -25,7 +25,6 @@ Contracts:
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import math
@@ -40,6 +39,7 @@ import torch
 
 from . import ops as _ops
 from .executor import CompiledGraph, Plan, _propagate
+from .inputs import SymbolRange, check_inputs, is_dense, relaid, substitute
 from .ir import Graph, Node, ScalarMeta, TensorMeta, contiguous_strides, storage_root
 from .lower import SYM_OPS, _UNANNOTATED_VIEWS, _return_alias_sets, is_tensor_type
 from .options import parse_options
@@ -310,15 +310,6 @@ def _dec_dim(r: _Reader, j: Any, where: str, budget: list | None = None, depth: 
             raise r.fail(where, "symbolic size evaluates out of range")
         return value
     raise r.fail(where, f"malformed symbolic size {_short(j)}")
-
-
-def _subst(d: Any, bind: dict) -> Any:
-    """``d`` with symbols replaced by the ints of ``bind``: an int when all are bound."""
-    if type(d) is int:
-        return d
-    import sympy
-    v = d.xreplace({s: sympy.Integer(x) for s, x in bind.items()})
-    return int(v) if getattr(v, "is_Integer", False) else v
 
 
 # -- metadata --------------------------------------------------------------------------------------
@@ -724,16 +715,16 @@ def _check_metas(graph: Graph, hints: dict) -> None:
     args = []
     for n in graph.inputs:
         if isinstance(n.meta, TensorMeta):
-            shape = [_subst(s, hints) for s in n.meta.shape]
-            stride = [_subst(s, hints) for s in n.meta.stride]
-            offset = _subst(n.meta.storage_offset, hints)
+            shape = [substitute(s, hints) for s in n.meta.shape]
+            stride = [substitute(s, hints) for s in n.meta.stride]
+            offset = substitute(n.meta.storage_offset, hints)
             if not all(type(v) is int for v in (*shape, *stride, offset)):
                 raise ReplayError(f"input %{n.id}: sizes {n.meta.short()} with a symbol that "
                                   f"has no sample value")
             args.append(torch.empty_strided(shape, stride, dtype=n.meta.dtype, device="meta"))
         else:
             expr = n.annotations.get("expr")
-            value = _subst(expr, hints) if expr is not None else None
+            value = substitute(expr, hints) if expr is not None else None
             if type(value) is not int:
                 raise ReplayError(f"input %{n.id}: a scalar input needs an 'expr' whose symbols "
                                   f"have sample values")
@@ -766,12 +757,12 @@ def _same_meta(want: Any, got: Any, hints: dict, offsets: bool = True) -> bool:
         if not isinstance(got, TensorMeta) or got.dtype != want.dtype \
                 or len(got.shape) != len(want.shape):
             return False
-        shape = [_subst(s, hints) for s in want.shape]
+        shape = [substitute(s, hints) for s in want.shape]
         if list(got.shape) != shape:
             return False
-        stride = [_subst(s, hints) for s in want.stride]
+        stride = [substitute(s, hints) for s in want.stride]
         return all(sz <= 1 or a == b for sz, a, b in zip(shape, got.stride, stride)) \
-            and (not offsets or _subst(want.storage_offset, hints) == got.storage_offset)
+            and (not offsets or substitute(want.storage_offset, hints) == got.storage_offset)
     if isinstance(want, ScalarMeta):
         return isinstance(got, ScalarMeta)
     return got is None
@@ -886,16 +877,6 @@ def _replace_node(graph: Graph, old: Node, new: Node) -> None:
 
 
 # -- the plan --------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class SymbolRange:
-    """The range a symbolic size was exported for: ``min <= value <= max`` (``max`` None: no
-    upper bound), and ``hint``, the value it had in the example inputs (None: unknown)."""
-
-    min: int
-    max: int | None
-    hint: int | None = None
-
 
 _MISSING = object()
 
@@ -1041,7 +1022,7 @@ class ExportedPlan:
             bind, fix = seen
             checked = list(values) if fix else values
             for i, stride in fix:
-                checked[i] = _relaid(values[i], stride)
+                checked[i] = relaid(values[i], stride)
         given, values = values, checked
         args = []
         for kind, x in self._slots:
@@ -1096,105 +1077,14 @@ class ExportedPlan:
         return values
 
     def _check_inputs(self, values: list) -> tuple[list, dict]:
-        """Check the user inputs against the saved metadata and symbol ranges; returns the
-        values (inputs in another layout than the plan's copied to the plan's where that is
-        dense; a ReplayError where it is not) and the value of every symbol."""
-        bind: dict = {}
-        pending = []
-        for i, (n, v) in enumerate(zip(self.user_inputs, values)):
-            name = self.names[n]
-            m = n.meta
-            if isinstance(m, TensorMeta):
-                if not isinstance(v, torch.Tensor):
-                    raise ReplayError(f"input {name!r}: expected a tensor {m.short()}, got "
-                                      f"{type(v).__name__}")
-                if v.dtype != m.dtype:
-                    raise ReplayError(f"input {name!r}: expected dtype {m.dtype}, got {v.dtype}")
-                if v.device.type != m.device.type:
-                    raise ReplayError(f"input {name!r}: expected a tensor on {m.device}, got "
-                                      f"{v.device}")
-                if v.dim() != len(m.shape):
-                    raise ReplayError(f"input {name!r}: expected {len(m.shape)} dims "
-                                      f"({m.short()}), got shape {tuple(v.shape)}")
-                for d, (want, got) in enumerate(zip(m.shape, v.shape)):
-                    if type(want) is int:
-                        if want != got:
-                            raise ReplayError(f"input {name!r}: dim {d} is {got}, expected "
-                                              f"{want} (shape {m.short()})")
-                    elif getattr(want, "is_Symbol", False):
-                        self._bind(bind, want, int(got), name, d)
-                    else:
-                        pending.append((name, d, want, int(got)))
-            elif isinstance(m, ScalarMeta):
-                if isinstance(v, torch.Tensor) and v.dim() == 0:
-                    v = values[i] = v.item()
-                if not isinstance(v, (int, float, bool)) or \
-                        (m.kind is int and (isinstance(v, bool) or not isinstance(v, int))):
-                    raise ReplayError(f"input {name!r}: expected a Python {m.kind.__name__}, "
-                                      f"got {type(v).__name__}")
-                expr = n.annotations.get("expr")
-                if getattr(expr, "is_Symbol", False):
-                    self._bind(bind, expr, v, name, None)
-        for name, d, expr, got in pending:
-            unbound = [s for s in expr.free_symbols if s not in bind]
-            if len(unbound) == 1:
-                self._solve(bind, expr, unbound[0], got, name, d)
-            elif unbound:
-                raise ReplayError(f"input {name!r}: dim {d} is {got}, but the plan's size {expr} "
-                                  f"depends on {sorted(map(str, unbound))}, which no other input "
-                                  f"determines")
-            want = _subst(expr, bind)
-            if want != got:
-                raise ReplayError(f"input {name!r}: dim {d} is {got}, but the plan needs "
-                                  f"{expr} = {want} here ({_fmt_bind(bind)})")
-        for i, (n, v) in enumerate(zip(self.user_inputs, values)):
-            m = n.meta
-            if not isinstance(m, TensorMeta):
-                continue
-            stride = [_subst(s, bind) for s in m.stride]
-            if all(sz <= 1 or a == b for sz, a, b in zip(v.shape, v.stride(), stride)):
-                continue
-            if not _dense(v.shape, stride):
-                raise ReplayError(f"input {self.names[n]!r}: expected strides {tuple(stride)}, "
-                                  f"got {v.stride()}")
-            values[i] = _relaid(v, tuple(stride))
-        return values, bind
-
-    def _bind(self, bind: dict, sym: Any, value: int, name: str, dim: int | None) -> None:
-        what = f"input {name!r}" + (f": dim {dim}" if dim is not None else "")
-        if sym in bind and bind[sym] != value:
-            raise ReplayError(f"{what} is {value}, but the same size {sym} is {bind[sym]} "
-                              f"elsewhere")
-        rng = self.symbols.get(sym)
-        if rng is not None and (value < rng.min or (rng.max is not None and value > rng.max)):
-            hi = "inf" if rng.max is None else rng.max
-            raise ReplayError(f"{what} is {value}, outside the range [{rng.min}, {hi}] the plan "
-                              f"was exported for ({sym})")
-        bind[sym] = value
-
-    def _solve(self, bind: dict, expr: Any, sym: Any, got: int, name: str, d: int) -> None:
-        """Bind ``sym`` from ``expr(sym) == got`` for an expression linear in it (the derived
-        dims of ``torch.export``: ``a * s + b``)."""
-        import sympy
-        partial = expr.xreplace({s: sympy.Integer(v) for s, v in bind.items()})
-        b = partial.xreplace({sym: sympy.Integer(0)})
-        a = partial.xreplace({sym: sympy.Integer(1)}) - b
-        if not (getattr(a, "is_Integer", False) and getattr(b, "is_Integer", False)) or a == 0 \
-                or sympy.expand(partial - (a * sym + b)) != 0:
-            raise ReplayError(f"input {name!r}: dim {d} is {got}; cannot solve {expr} = {got} "
-                              f"for {sym}")
-        q, rem = divmod(got - int(b), int(a))
-        if rem:
-            raise ReplayError(f"input {name!r}: dim {d} is {got}, but the plan needs it to be "
-                              f"{expr} for an integer {sym}")
-        rng = self.symbols.get(sym)
-        if rng is not None and (q < rng.min or (rng.max is not None and q > rng.max)):
-            lo, hi = _subst(expr, {sym: rng.min}), \
-                ("inf" if rng.max is None else _subst(expr, {sym: rng.max}))
-            raise ReplayError(f"input {name!r}: dim {d} is {got}, outside the range the plan "
-                              f"was exported for: {expr} with {sym} in [{rng.min}, "
-                              f"{'inf' if rng.max is None else rng.max}], i.e. {lo} to {hi}")
-        self._bind(bind, sym, q, name, d)
+        """The user inputs checked against the saved metadata and symbol ranges
+        (:func:`fxbackend.inputs.check_inputs`): the values, with inputs in another layout
+        than the plan's copied to the plan's where that is dense (a ReplayError where it is
+        not), and the value of every symbol."""
+        return check_inputs(self.user_inputs, values,
+                            [f"input {self.names[n]!r}" for n in self.user_inputs],
+                            ranges=self.symbols, strides="relayout", scalar_tensors=True,
+                            error=ReplayError)
 
     # -- weights ------------------------------------------------------------------------------
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
@@ -1338,30 +1228,9 @@ def _own_copy(t: torch.Tensor, m: TensorMeta) -> torch.Tensor:
     return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=m.device).copy_(t)
 
 
-def _relaid(v: torch.Tensor, stride: tuple) -> torch.Tensor:
-    """A copy of ``v`` with the dense layout ``stride``."""
-    return torch.empty_strided(v.shape, stride, dtype=v.dtype, device=v.device).copy_(v)
-
-
-def _dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
-    """Whether ``stride`` lays ``shape`` out densely without overlap (a permutation of
-    contiguous strides; size-1 dims are free)."""
-    dims = sorted((st, sz) for sz, st in zip(shape, stride) if sz != 1)
-    expected = 1
-    for st, sz in dims:
-        if st != expected:
-            return False
-        expected *= sz
-    return True
-
-
 def _version() -> str:
     from . import __version__
     return __version__
-
-
-def _fmt_bind(bind: dict) -> str:
-    return ", ".join(f"{s}={v}" for s, v in bind.items()) or "no sizes bound"
 
 
 def _pack_weights(weights: dict[str, torch.Tensor], kinds: dict[str, str]
@@ -1695,7 +1564,7 @@ def _build(doc: dict, blob: bytes, device: Any, options: dict | None, check: boo
         if tuple(t.shape) != tuple(m.shape) or t.dtype != m.dtype:
             raise ReplayError(f"{where}: the file holds {t.dtype} {list(t.shape)}, the graph "
                               f"needs {m.dtype} {list(m.shape)}")
-        if not _dense(m.shape, m.stride) or m.storage_offset != 0:
+        if not is_dense(m.shape, m.stride) or m.storage_offset != 0:
             raise r.fail(where, f"weight strides {list(m.stride)} (offset {m.storage_offset}) "
                                 f"are not a dense layout of shape {list(m.shape)}")
         if key not in moved:
