@@ -152,16 +152,17 @@ def replay(argv: list[str]) -> int:
 
 def inspect(argv: list[str]) -> int:
     """Print what a saved plan holds: inputs, weights, symbols, custom ops, the node list, the
-    ops it uses and, for a static graph, each step of a plan with its kernel and ops."""
+    ops it uses and, for a static graph, each step a plan would run with its kernel and ops
+    (no plan is built)."""
     p = argparse.ArgumentParser(prog="python -m fxbackend inspect", description=inspect.__doc__)
     p.add_argument("file", help="a plan saved with fxbackend.save")
-    p.add_argument("--device", default=None, help="build the plan for this device (default: "
+    p.add_argument("--device", default=None, help="choose the steps for this device (default: "
                                                   "the device it was saved from)")
-    p.add_argument("--no-steps", action="store_true", help="do not build a plan")
+    p.add_argument("--no-steps", action="store_true", help="do not list the steps")
     args = p.parse_args(argv)
 
     import fxbackend
-    from fxbackend.replay import describe
+    from fxbackend.planfile import describe
 
     try:
         print(describe(args.file, device=args.device, steps=not args.no_steps))

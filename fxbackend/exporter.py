@@ -1,12 +1,14 @@
 """Plans from models: ``torch.export`` (:func:`export`) and ``torch.compile``
-(:func:`record_graphs`, :func:`from_compiled`).  The plan, its file format and loading live in
-:mod:`fxbackend.replay`.
+(:func:`record_graphs`, :func:`from_compiled`), and :func:`save`, which takes either.  The
+plan's runtime and loading live in :mod:`fxbackend.exported`, the file format in
+:mod:`fxbackend.planfile`.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import itertools
+import os
 import re
 import warnings
 import weakref
@@ -15,13 +17,17 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from .executor import CompiledGraph
+from .exported import ExportedPlan
+from .inputs import SymbolRange
 from .ir import Graph, Node, TensorMeta
 from .lower import lower
 from .options import Options, parse_options
 from .pipeline import run_pipeline
-from .replay import _MAX_INT, ExportedPlan, ReplayError, SymbolRange, _fmt_meta
+from .planfile import ReplayError
+from .planfile.codec import format_meta
+from .planfile.errors import MAX_INT
 
-__all__ = ["export", "from_compiled", "record_graphs"]
+__all__ = ["export", "from_compiled", "record_graphs", "save"]
 
 _IDS = itertools.count()
 
@@ -203,7 +209,7 @@ def _from_exported_program(ep: Any, args: tuple, kwargs: dict, opts: Options) ->
                         weight_kinds=kinds, symbols=symbols, in_tree=in_tree, out_tree=out_tree,
                         source="torch.export", user_inputs=user_inputs)
     if symbols:  # the example inputs give each symbol a sample value, for checks at load
-        _, bind = plan._check_inputs(plan._bind_call(args, kwargs))
+        bind = plan.sizes_of(args, kwargs)
         plan.symbols = {s: dataclasses.replace(r, hint=bind.get(s)) for s, r in symbols.items()}
     return plan
 
@@ -249,7 +255,7 @@ def _finite(v: Any) -> bool:
     except ImportError:  # an older torch without int_oo
         pass
     try:
-        return bool(getattr(v, "is_finite", True)) and abs(int(v)) < _MAX_INT
+        return bool(getattr(v, "is_finite", True)) and abs(int(v)) < MAX_INT
     except (TypeError, ValueError, OverflowError, AttributeError):
         return False
 
@@ -397,7 +403,7 @@ def from_compiled(compiled: CompiledGraph | Graph, model: torch.nn.Module | None
                                                     or t.dtype != m.dtype)):
             got = f"{t.dtype}{list(t.shape)}" if isinstance(t, torch.Tensor) \
                 else type(t).__name__
-            raise ReplayError(f"weight {source(n)!r}: expected {_fmt_meta(m)}, got {got}")
+            raise ReplayError(f"weight {source(n)!r}: expected {format_meta(m)}, got {got}")
         if name in tensors and not _same_tensor(tensors[name], t):
             raise ReplayError(f"two weight inputs are named {name!r}")
         names[n] = name
@@ -486,3 +492,21 @@ def _hints_from_plans(cg: CompiledGraph) -> dict:
                 bind[expr] = int(plan.scalars[c])
         return bind
     return {}
+
+def save(plan: ExportedPlan | CompiledGraph | Graph, path: str | os.PathLike, *,
+         model: torch.nn.Module | None = None,
+         weights: Mapping[str, torch.Tensor] | None = None) -> None:
+    """Write ``plan`` to ``path`` as one file (docs/FORMAT.md).
+
+    ``plan`` is an :class:`~fxbackend.exported.ExportedPlan`, or a :class:`CompiledGraph` from
+    ``torch.compile`` (then ``model`` or ``weights`` name its weights, as in
+    :func:`from_compiled`).  Everything is checked before anything is written (a custom op
+    without ``serialize``/``deserialize`` is a :class:`ReplayError` naming it, and ``path`` is
+    left untouched); the file is written under a temporary name and renamed into place.
+    """
+    if isinstance(plan, (CompiledGraph, Graph)):
+        plan = from_compiled(plan, model=model, weights=weights)
+    if not isinstance(plan, ExportedPlan):
+        raise TypeError(f"save takes an ExportedPlan or a CompiledGraph, got "
+                        f"{type(plan).__name__}")
+    plan.save(path)
