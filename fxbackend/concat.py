@@ -112,7 +112,7 @@ def _output_roots(graph: Graph) -> set:
 def elide_identity_cats(graph: Graph, metas: Callable[[Node], Any]) -> int:
     """Make the readers of every ``cat`` of slices that tile one contiguous tensor, in order,
     read that tensor instead (the ``cat`` and slices become dead).  Returns how many."""
-    from .fusion import _replace_uses
+    from .fusion import replace_uses_from
     written = _written_roots(graph)
     outputs = {o for o in graph.outputs if isinstance(o, Node)}
     done = 0
@@ -149,7 +149,7 @@ def elide_identity_cats(graph: Graph, metas: Callable[[Node], Any]) -> int:
             pos += length
         else:
             if pos == m.shape[d]:
-                _replace_uses(graph, cat, base, graph.nodes.index(cat) + 1)
+                replace_uses_from(graph, cat, base, graph.nodes.index(cat) + 1)
                 done += 1
     return done
 
@@ -188,7 +188,7 @@ def elide_identity_clones(graph: Graph, metas: Callable[[Node], Any],
       takes, and then copy the sum into contiguous rows: the sum now writes the rows.
 
     Clones handed back to the caller stay, as do clones of values written in place."""
-    from .fusion import _replace_uses
+    from .fusion import replace_uses_from
     written = _written_roots(graph)
     outputs = {o for o in graph.outputs if isinstance(o, Node)}
     readers = _reader_counts(graph)
@@ -211,7 +211,7 @@ def elide_identity_clones(graph: Graph, metas: Callable[[Node], Any],
             set_meta(x, m)
         else:
             continue
-        _replace_uses(graph, c, x, graph.nodes.index(c) + 1)
+        replace_uses_from(graph, c, x, graph.nodes.index(c) + 1)
         done += 1
     return done
 

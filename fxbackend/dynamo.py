@@ -123,9 +123,10 @@ def explain(model_or_fn: Any, *args: Any, options: dict | None = None, **kwargs:
         _listeners.remove(seen.append)
     parts = []
     for cg in seen:
-        plans = list(cg.plans.values()) + ([cg._static] if cg._static is not None else [])
+        plans = cg.all_plans()
         for plan in plans:
-            parts.append(plan.report())
+            from .report import pass_timings
+            parts.append(plan.report() + "\n" + pass_timings(plan.state))
     text = "\n\n".join(parts) if parts else "no graph was compiled"
     print(text)
     return text

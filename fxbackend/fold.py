@@ -89,7 +89,7 @@ def constant_value(node: Node, cache: dict | None = None) -> torch.Tensor | None
 def fold_constants(graph: Graph) -> int:
     """Fold the graph's constant steps (module docstring); returns how many steps were folded.
     The folded steps stay in the graph, unread: the caller drops dead nodes."""
-    from .fusion import _replace_uses
+    from .fusion import replace_uses_from
 
     written = {storage_root(n) for n in graph.nodes if n.inplace_of is not None}
     returned = {storage_root(o) for o in graph.outputs if isinstance(o, Node)}
@@ -126,6 +126,6 @@ def fold_constants(graph: Graph) -> int:
         c.annotations["value"] = value
         c.annotations["name"] = f"folded_{n.id}"
         graph.insert(0, c)
-        _replace_uses(graph, n, c, 1)
+        replace_uses_from(graph, n, c, 1)
         count += 1
     return count

@@ -33,6 +33,7 @@ from . import registry
 from .ir import Graph, Node, TensorMeta, node_deps, storage_root
 
 __all__ = ["register_fusion", "unregister_fusion", "fusions_for", "graph_delay", "check_claim",
+           "replace_uses_from",
            "apply_fusions", "FusionReport"]
 
 _lock = threading.RLock()
@@ -197,7 +198,11 @@ def graph_delay(graph: Graph, start: int, end: int, after: int | Node) -> bool:
     return True
 
 
-def _replace_uses(graph: Graph, old: Node, new: Node, from_index: int) -> None:
+def replace_uses_from(graph: Graph, old: Node, new: Node, from_index: int) -> None:
+    """Make the nodes from ``graph.nodes[from_index]`` on, and the graph outputs, read
+    ``new`` where they read ``old`` (sources, params, the view/in-place links).  The one
+    implementation: ``rewrite.replace_uses`` is this from just after ``new``, moving the
+    output flag too."""
     def sub(v):
         if v is old:
             return new
@@ -272,7 +277,7 @@ def apply_fusions(graph: Graph, device_of, report: FusionReport) -> Graph:
                 fused.annotations["fused"] = nodes
                 fused.annotations["rule"] = rule
                 graph.nodes[i:i + n] = [fused]
-                _replace_uses(graph, last, fused, i + 1)
+                replace_uses_from(graph, last, fused, i + 1)
                 users = graph.users()
                 report.fired.append((rule.name, ids))
                 claimed = 1

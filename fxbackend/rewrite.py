@@ -110,8 +110,8 @@ def rewrites() -> list[Any]:
 
 def replace_uses(graph: Graph, old: Node, new: Node) -> None:
     """Make every node after ``new`` (and the graph outputs) read ``new`` where it read ``old``."""
-    from .fusion import _replace_uses
-    _replace_uses(graph, old, new, graph.nodes.index(new) + 1)
+    from .fusion import replace_uses_from
+    replace_uses_from(graph, old, new, graph.nodes.index(new) + 1)
     if old.is_output:
         new.is_output = True
         old.is_output = False

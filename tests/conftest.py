@@ -35,6 +35,18 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.fixture(autouse=True)
+def _every_fast_path(request, monkeypatch):
+    """Tests run every fast path whatever the host (``FXB_CPU_PROFILE=amx``: W8A8's int8 GEMM,
+    native 16-bit GEMMs), so the kernels and fusions they check run on every CPU class: on a
+    CPU without them the same kernels are only slower.  What each CPU class decides is
+    ``tests/test_cpu_profile.py``'s (marked ``cpu_profile``: it sets the profile itself, and
+    sees the host's otherwise)."""
+    if "cpu_profile" not in request.keywords:
+        monkeypatch.setenv("FXB_CPU_PROFILE", "amx")
+    yield
+
+
 @pytest.fixture
 def no_grad():
     """Run the test under ``torch.no_grad()`` (inference, as the backend's plans are)."""

@@ -41,7 +41,7 @@ def _model(dtype):
 
 def _plan_of(graphs):
     (g,) = graphs
-    (plan,) = [g._static] if g._static is not None else list(g.plans.values())
+    (plan,) = g.all_plans()
     return plan
 
 
@@ -182,7 +182,7 @@ def test_batch_of_one_gets_exact_channels_last_strides():
         assert tuple(x.stride) == (x.shape[1] * x.shape[2] * x.shape[3], 1,
                                    x.shape[1] * x.shape[3], x.shape[1])
         # the layout the plan expects is the one the kernel returns: no copy of the result
-        assert conv in plan._bound
+        assert conv in plan.state.bound
     # only the network's input is copied into channels-last (weights aside)
     cl = [n for n in plan.graph.nodes if n.op == "aten.clone.default" and
           n.params.get("memory_format") == torch.channels_last and not n.srcs[0].is_input]

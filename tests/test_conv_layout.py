@@ -46,7 +46,7 @@ def test_patch_embedding_convolution_runs_channels_last(dtype, no_grad):
     # kernel returns it (its layout check agrees), not copied into planned storage
     add = next(n for n in plan.graph.nodes if n.op == "aten.add.Tensor")
     assert all(plan.metas[s].is_contiguous for s in add.srcs)
-    assert conv in plan._bound and plan.copies == 0
+    assert conv in plan.state.bound and plan.copies == 0
     # repeated calls keep matching eager
     for _ in range(2):
         args = _args(dtype=dtype)

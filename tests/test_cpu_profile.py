@@ -14,6 +14,8 @@ import torch
 import fxbackend
 from fxbackend import cpu
 
+pytestmark = pytest.mark.cpu_profile
+
 #: what each class implies: (int8_gemm, bfloat16, float16)
 EXPECTED = {
     "avx2": ("float32", "float32", "float32"),
@@ -249,3 +251,24 @@ def test_numba_compiles_for_a_named_cpu_only():
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+@pytest.mark.parametrize("family", ["unet", "flux"])
+def test_bf16_models_on_a_cpu_without_bf16_dot_products(family, monkeypatch):
+    """A whole bf16 model under ``FXB_CPU_PROFILE=avx2``: its GEMMs and convolutions compute
+    in float32 (every fusion around them still applies), and it is no further from the
+    float32 model than bf16 eager is (plus one bf16 rounding of the output)."""
+    import fxbackend.models as models
+    monkeypatch.setenv("FXB_CPU_PROFILE", "avx2")
+    m32 = models.build_model(family, "tiny", torch.float32)
+    m16 = models.build_model(family, "tiny", torch.bfloat16)
+    with torch.no_grad():
+        ref = models.run_eager(m32, models.make_inputs(family, "tiny", dtype=torch.float32))
+        inp = models.make_inputs(family, "tiny", dtype=torch.bfloat16)
+        eager = models.run_eager(m16, inp)
+        torch._dynamo.reset()
+        fxbackend.reset_stats()
+        got = models.run_eager(torch.compile(m16, backend="fxbackend"), inp)
+    ref = ref.float()
+    assert fxbackend.stats()["rewrites_by_rule"].get("compute_in_float32", 0) > 0
+    assert _rel(got, ref) <= _rel(eager, ref) + 2 ** -8, (_rel(got, ref), _rel(eager, ref))

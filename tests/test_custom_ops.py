@@ -369,7 +369,7 @@ def test_the_output_is_out_of_place(reg):
     (r,) = cg(t)
     assert torch.equal(r, t * 2 * 3 * 0.5 * 4 * 0.25)
     assert overlaps == []
-    assert cg._static.memory.offsets, "the chain has planned intermediates to check"
+    assert cg.all_plans()[0].memory.offsets, "the chain has planned intermediates to check"
 
 
 # -- capabilities ---------------------------------------------------------------------------------
@@ -380,7 +380,7 @@ def test_a_reference_execute_is_the_ops_native_kernel(reg):
     x = torch.randn(4, 3)
     torch.testing.assert_close(cg(x)[0], _scale_expected(x, 3))
     assert fxbackend.stats()["steps_by_kernel"] == {"native": 3}
-    assert all(k is registry.NATIVE for k in cg._static.kernels.values())
+    assert all(k is registry.NATIVE for k in cg.all_plans()[0].kernels.values())
 
 
 def test_an_op_without_execute_or_kernel_cannot_be_planned(reg):
@@ -486,4 +486,4 @@ def test_steps_without_update_args_pay_no_address_check(reg):
     set_outputs(g, fxbackend.op_create(g, Scale.name, [x], {"alpha": 2.0}))
     cg = compiled(g)
     cg(torch.randn(4, 3))
-    assert "data_ptr" not in cg._static.source and "_AddressWatch" not in cg._static.source
+    assert "data_ptr" not in cg.all_plans()[0].source and "_AddressWatch" not in cg.all_plans()[0].source

@@ -343,7 +343,7 @@ def test_result_of_op_whose_out_overload_only_copies_is_used_as_returned(no_grad
     assert len(conv) == 1 and len(norm) == 1
     plan = c.graph.plan_for(args)
     for n in conv + norm:
-        assert n.id in {b.id for b in plan._bound}
+        assert n.id in {b.id for b in plan.state.bound}
         assert not any(k[0] == n.id for k in plan.memory.offsets), "no arena storage for it"
     with Calls() as calls:  # the plan alone (Dynamo does not run under a dispatch mode)
         (got,) = c.graph.run(args)

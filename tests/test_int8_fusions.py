@@ -732,6 +732,9 @@ def test_golden_plan_of_a_small_block():
     text = _explain(Block().eval(), (torch.randn(1, 3, 8), torch.randn(1, 24)),
                     {"quantize": "w8a8", "convrot_group": 4})
     text = re.sub(r"^plan graph\d+", "plan graph", text)  # a process-wide counter
+    # the host's CPU and the passes' times vary: not part of the golden text
+    text = "".join(ln for ln in text.splitlines(keepends=True)
+                   if not ln.startswith(("cpu profile", "cpu decision", "plan-time")))
     assert_expected_inline(text, """\
 plan graph: arena 0.00 MB (sum of intermediates 0.00 MB), workspace 0.00 MB (96 bytes)
 %0 = input : f32[1,24]
@@ -1053,7 +1056,7 @@ def test_int8_linear_act_writes_its_concatenation_slot(dtype):
     with torch.no_grad(), fxbackend.record_graphs() as graphs:
         torch._dynamo.reset()
         torch.compile(mod, backend="fxbackend", options=OPTS)(*args)
-    plan = graphs[0]._static
+    plan = graphs[0].all_plans()[0]
     (step,) = [n for n in plan.graph.nodes if n.op == "fused.int8_linear_act"]
     (cat,) = [n for n in plan.graph.nodes if n.op == "aten.cat.default"]
     assert cat.id in {c.id for c in plan.concat.placed}, plan.report()

@@ -539,7 +539,7 @@ def test_views_and_in_place_writes_are_never_intercepted(reg):
     (r,) = cg(x)
     torch.testing.assert_close(r, fn(x))
     assert calls == []
-    assert all(k is registry.NATIVE for n, k in cg._static.kernels.items()
+    assert all(k is registry.NATIVE for n, k in cg.all_plans()[0].kernels.items()
                if n.op in ("aten.view.default", "aten.add_.Tensor"))
 
 
@@ -583,7 +583,7 @@ def test_one_workspace_per_plan_sized_to_the_largest_request(reg, requests):
     cg = compiled(g)
     t = torch.randn(4, 3)
     assert torch.equal(cg(t)[0], t)
-    plan = cg._static
+    plan = cg.all_plans()[0]
     want = max(requests)
     assert plan.workspace_bytes == want
     assert fxbackend.stats()["workspace_bytes"] == want
@@ -595,7 +595,7 @@ def test_one_workspace_per_plan_sized_to_the_largest_request(reg, requests):
 def test_a_plan_without_requests_has_no_workspace(reg):
     reg.op(Scale)
     cg = _run(_graph())
-    assert cg._static.workspace_bytes == 0 and fxbackend.stats()["workspace_bytes"] == 0
+    assert cg.all_plans()[0].workspace_bytes == 0 and fxbackend.stats()["workspace_bytes"] == 0
 
 
 def test_report_names_extension_kernels_that_declined_a_node(reg):

@@ -226,6 +226,10 @@ def test_golden_fused_step():
     mod = _QK()
     text = fxbackend.explain(mod, *_attention_inputs())
     first_plan = re.split(r"(?m)^plan graph\d+", text)[1]  # graph numbers count per process
+    # the host's CPU and the passes' times vary: not part of the golden text
+    first_plan = "".join(ln for ln in first_plan.splitlines(keepends=True)
+                         if not ln.startswith(("cpu profile", "cpu decision", "plan-time")))
+    first_plan = first_plan.rstrip("\n") + "\n"
     assert_expected_inline(first_plan, """\
 : arena 0.00 MB (sum of intermediates 0.00 MB), workspace 0.00 MB (0 bytes)
 %0 = input : f32[1,6,16]
@@ -249,7 +253,8 @@ def test_golden_fused_step():
 %48 = aten.transpose.int(%54) {dim0=1, dim1=2} : f32[1,2,6,8]{96,8,16,1}  # view_of=%54 output  [native]
 %49 = aten.transpose.int(%55) {dim0=1, dim1=2} : f32[1,2,6,8]{96,8,16,1}  # view_of=%55 output  [native]
 fused rms_rope: %50, %52
-fused rms_rope: %51, %53""")
+fused rms_rope: %51, %53
+""")
 
 
 # -- torch.nn.RMSNorm on 16-bit inputs: the weight multiplied in float32 (weight_in_float) -------

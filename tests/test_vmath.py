@@ -122,6 +122,7 @@ def test_silu_relative_error(loops):
 
 def test_wide_vector_features(monkeypatch):
     import llvmlite.binding as llvm
+    monkeypatch.delenv("NUMBA_CPU_NAME", raising=False)  # its own case, below
 
     class Features:
         def __init__(self, s):
@@ -157,3 +158,17 @@ def test_import_numba_sets_the_features_unless_the_user_did(user, tmp_path):
     assert res.returncode == 0, res.stderr
     configured, wide = res.stdout.split("\n")[:2]
     assert configured == (repr(user) if user is not None else wide)
+
+
+def test_a_named_cpu_compiles_for_its_own_features(monkeypatch):
+    """``NUMBA_CPU_NAME=haswell`` on an AVX-512 host: no host features are added (numba would
+    add them, and the kernels would use AVX-512)."""
+    import llvmlite.binding as llvm
+
+    class Features:
+        def flatten(self):
+            return "+avx2,+avx512f,+fma"
+
+    monkeypatch.setattr(llvm, "get_host_cpu_features", lambda: Features())
+    monkeypatch.setenv("NUMBA_CPU_NAME", "haswell")
+    assert _numba.wide_vector_features() == ""

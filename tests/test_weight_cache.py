@@ -26,7 +26,7 @@ def _compile(model, x, options=None):
         c = torch.compile(model, backend="fxbackend", options=options or {})
         out = c(x)
     (g,) = graphs
-    (plan,) = [g._static] if g._static is not None else list(g.plans.values())
+    (plan,) = g.all_plans()
     return c, plan, out
 
 
@@ -86,8 +86,7 @@ def test_user_inputs_and_cuda_graph_plans_are_not_cached():
         w = torch.randn(8, 16)
         x = torch.randn(4, 16, dtype=torch.bfloat16)
         c(x, w)
-    (plan,) = [graphs[0]._static] if graphs[0]._static is not None \
-        else list(graphs[0].plans.values())
+    (plan,) = graphs[0].all_plans()
     assert not plan.cached
     w.mul_(2)
     assert torch.equal(c(x, w), fn(x, w))

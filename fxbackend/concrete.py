@@ -1,0 +1,284 @@
+"""Concrete metadata for a plan: the graph's values for one input signature.
+
+:func:`concretize` checks call arguments against a lowered graph and gives every node its
+concrete metadata for them (a symbolic graph is run on the meta device, :func:`propagate`);
+:func:`instantiate` makes the per-plan copy of the graph that the plan-time passes rewrite,
+with that metadata on its nodes (``node.meta``: the one truth from then on).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import torch
+
+from .ir import Graph, Node, ScalarMeta, TensorMeta
+from .lower import SYM_OPS
+from .native import call_args
+
+__all__ = ["concretize", "instantiate", "propagate", "describe_input", "meta_tensor",
+           "fake_layout_call", "FAKE_LAYOUT_OPS"]
+
+_PLAN_TIME_SCALAR_OPS = {"aten.sym_size.int", "aten.sym_stride.int", "aten.sym_numel.default",
+                         "aten.sym_storage_offset.default"}
+
+
+def instantiate(graph: Graph, metas: dict, scalars: dict) -> tuple[Graph, dict, dict]:
+    """A copy of ``graph`` for one plan: concrete metadata on every node, and plan-time scalar
+    values substituted into params.  Per-plan passes (fusion, placement) rewrite the copy."""
+    g = Graph()
+    g._next_id = graph._next_id
+    new: dict[Node, Node] = {}
+
+    def mp(v: Any) -> Any:
+        if isinstance(v, Node):
+            return scalars[v] if v in scalars else new[v]
+        if isinstance(v, (list, tuple)):
+            return type(v)(mp(x) for x in v)
+        if isinstance(v, dict):
+            return {k: mp(x) for k, x in v.items()}
+        return v
+
+    out_metas: dict = {}
+    out_scalars: dict = {}
+    for n in graph.nodes:
+        c = Node(n.id, n.op, [new[x] for x in n.srcs], {k: mp(v) for k, v in n.params.items()},
+                 metas[n], view_of=new.get(n.view_of) if n.view_of is not None else None,
+                 inplace_of=new.get(n.inplace_of) if n.inplace_of is not None else None,
+                 is_input=n.is_input, is_weight=n.is_weight, is_output=n.is_output,
+                 target=n.target, tensor_layout=n.tensor_layout,
+                 annotations=dict(n.annotations))
+        new[n] = c
+        g.nodes.append(c)
+        out_metas[c] = metas[n]
+        if n in scalars:
+            out_scalars[c] = scalars[n]
+    g.outputs = [new[o] if isinstance(o, Node) else o for o in graph.outputs]
+    return g, out_metas, out_scalars
+
+
+def describe_input(graph: Graph, i: int, node: Node) -> str:
+    name = node.annotations.get("source") or node.annotations.get("name") or f"arg{i}"
+    kind = "weight" if node.is_weight else "input"
+    return f"{kind} {i} ({name})"
+
+
+def concretize(graph: Graph, args: Sequence[Any]) -> tuple[dict, dict]:
+    """Concrete metadata of every node for these inputs: ``(metas, scalars)``.
+
+    ``scalars`` holds the values of scalar nodes known at plan time (sizes and integer
+    arithmetic on them).  Raises ValueError naming the first input whose count, kind, dtype,
+    device or shape does not fit the graph.
+    """
+    inputs = graph.inputs
+    if len(args) != len(inputs):
+        raise ValueError(f"expected {len(inputs)} inputs, got {len(args)}")
+    bind: dict = {}
+    for i, (node, a) in enumerate(zip(inputs, args)):
+        what = describe_input(graph, i, node)
+        m = node.meta
+        if isinstance(m, TensorMeta):
+            if not isinstance(a, torch.Tensor):
+                raise ValueError(f"{what}: expected a tensor {m.short()}, got {type(a).__name__}")
+            if a.dtype != m.dtype:
+                raise ValueError(f"{what}: expected dtype {m.dtype}, got {a.dtype}")
+            if a.device.type != m.device.type:
+                raise ValueError(f"{what}: expected a tensor on {m.device}, got {a.device}")
+            if a.dim() != len(m.shape):
+                raise ValueError(f"{what}: expected {len(m.shape)} dims {m.short()}, "
+                                 f"got shape {tuple(a.shape)}")
+            for d, (want, got) in enumerate(zip(m.shape, a.shape)):
+                if type(want) is int:
+                    if want != got:
+                        raise ValueError(f"{what}: expected shape {m.short()}, got "
+                                         f"{tuple(a.shape)} (dim {d})")
+                elif getattr(want, "is_Symbol", False):
+                    if bind.setdefault(want, got) != got:
+                        raise ValueError(f"{what}: dim {d} is {got}, but the same symbolic size "
+                                         f"{want} is {bind[want]} elsewhere")
+        elif isinstance(m, ScalarMeta):
+            if isinstance(a, torch.Tensor) or not isinstance(a, (int, float, bool)):
+                raise ValueError(f"{what}: expected a Python {m.kind.__name__}, got "
+                                 f"{type(a).__name__}")
+            expr = node.annotations.get("expr")
+            if expr is not None and getattr(expr, "is_Symbol", False):
+                if bind.setdefault(expr, a) != a:
+                    raise ValueError(f"{what}: is {a}, but the symbolic size {expr} is "
+                                     f"{bind[expr]} elsewhere")
+    if not graph.is_symbolic:
+        return {n: n.meta for n in graph.nodes}, {}
+    return propagate(graph, args)
+
+
+_META = torch.device("meta")
+#: ops whose result layout the plan checks with their fake-tensor implementation instead of
+#: the meta device: the meta device's convolution returns NCHW for a channels-last input, while
+#: the CPU's returns channels-last (as the fake implementation, which Dynamo recorded, says)
+FAKE_LAYOUT_OPS = frozenset({"aten.convolution.default"})
+
+
+def _map_tree(v: Any, f) -> Any:
+    if isinstance(v, (list, tuple)):
+        return type(v)(_map_tree(x, f) for x in v)
+    return f(v)
+
+
+def meta_tensor(m: TensorMeta) -> torch.Tensor:
+    return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
+
+
+def fake_layout_call(n: Node, args: tuple, kwargs: dict) -> Any:
+    """``n``'s op on fake tensors of its device laid out as the meta tensors ``args`` (see
+    ``FAKE_LAYOUT_OPS``), its results as meta tensors of the same layouts."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    metas = [m for m in _walk_metas(n.meta) if isinstance(m, TensorMeta)]
+    device = metas[0].device if metas else torch.device("cpu")
+
+    def layouts(v):
+        if isinstance(v, torch.Tensor):
+            return tuple(v.shape), tuple(v.stride()), v.dtype
+        return tuple(layouts(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+    def to_meta(v, like):
+        if isinstance(like, torch.Tensor):
+            return torch.empty_strided(v[0], v[1], dtype=v[2], device="meta")
+        if isinstance(like, (list, tuple)):
+            return tuple(to_meta(a, b) for a, b in zip(v, like))
+        return v
+
+    with FakeTensorMode():
+        def fake(t):
+            if isinstance(t, torch.Tensor):
+                return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+            return t
+        r = n.target(*[_map_tree(x, fake) for x in args],
+                      **{k: _map_tree(v, fake) for k, v in kwargs.items()})
+        shapes = layouts(r)
+    return to_meta(shapes, r)
+
+
+def _walk_metas(m: Any):
+    if isinstance(m, tuple):
+        for x in m:
+            yield from _walk_metas(x)
+    else:
+        yield m
+
+
+def propagate(graph: Graph, args: Sequence[Any]) -> tuple[dict, dict]:
+    """Run the graph on the meta device to get concrete shapes for these inputs."""
+    vals: dict[Node, Any] = {}
+    metas: dict[Node, Any] = {}
+    scalars: dict[Node, Any] = {}
+    it = iter(args)
+
+    def val(v):
+        if isinstance(v, Node):
+            if v not in vals:
+                raise NotImplementedError(
+                    f"%{v.id} ({v.op}) depends on tensor data; fxbackend cannot plan "
+                    f"data-dependent shapes")
+            return vals[v]
+        if isinstance(v, torch.device):  # factories (arange, full, ...) build on meta too
+            return _META
+        return v
+
+    def to_meta(x, like):
+        if isinstance(x, torch.Tensor):
+            m = TensorMeta.of(x)
+            return dataclasses.replace(m, device=like.device if isinstance(like, TensorMeta)
+                                       else m.device)
+        if isinstance(x, (list, tuple)):
+            likes = like if isinstance(like, tuple) else (None,) * len(x)
+            return tuple(to_meta(a, b) for a, b in zip(x, likes))
+        return ScalarMeta(type(x)) if isinstance(x, (int, float, bool)) else None
+
+    for n in graph.nodes:
+        if n.is_input:
+            a = next(it)
+            if isinstance(a, torch.Tensor):
+                vals[n] = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+                metas[n] = TensorMeta.of(a)
+            else:
+                vals[n] = a
+                scalars[n] = a
+                metas[n] = n.meta
+            continue
+        if n.op == "constant":
+            vals[n] = meta_tensor(n.meta)
+            metas[n] = n.meta
+            continue
+        if n.op == "getitem":
+            parent = vals.get(n.srcs[0])
+            if parent is None:
+                raise NotImplementedError(f"%{n.id}: cannot plan after data-dependent %{n.srcs[0].id}")
+            vals[n] = parent[n.params["index"]]
+            metas[n] = metas[n.srcs[0]][n.params["index"]]
+            continue
+        if n.op in SYM_OPS:
+            v = SYM_OPS[n.op](*[_map_tree(a, val) for a in n.params["args"]])
+            vals[n] = scalars[n] = v
+            metas[n] = n.meta
+            continue
+        if n.is_scalar and n.op not in _PLAN_TIME_SCALAR_OPS:
+            metas[n] = n.meta  # data-dependent: known per call only
+            continue
+        if n.target is None:  # a custom op: its infer_meta gives the concrete metadata
+            from .ops import get_op, infer_node_meta
+            op = get_op(n.op)
+            if op is None:
+                raise NotImplementedError(f"%{n.id}: no custom op named {n.op} is registered")
+            m = infer_node_meta(op, [metas[x] for x in n.srcs], n.params)
+            metas[n] = dataclasses.replace(m, device=n.meta.device)
+            vals[n] = meta_tensor(m)
+            continue
+        a, kw = call_args(n, val, val)
+        try:
+            out = fake_layout_call(n, a, kw) if n.op in FAKE_LAYOUT_OPS else n.target(*a, **kw)
+        except NotImplementedError as e:
+            # no meta kernel (``histogram``, ...): fake tensors, as Dynamo traced it (their
+            # fallback runs the op's own kernel on zeros where its output sizes allow)
+            try:
+                out = fake_layout_call(n, a, kw)
+            except Exception as e2:
+                raise NotImplementedError(f"cannot re-plan %{n.id} ({n.op}) for new shapes on "
+                                          f"the meta device: {e}; with fake tensors: {e2}") from e
+        except Exception as e:  # say which node
+            raise NotImplementedError(f"cannot re-plan %{n.id} ({n.op}) for new shapes on the "
+                                      f"meta device: {e}") from e
+        if isinstance(out, torch.Tensor) and _same_layout(out, n.meta) and \
+                tuple(out.stride()) != tuple(n.meta.stride):
+            # the recorded strides where they differ only on size-1 dims (which torch's
+            # meta and fake functions stride differently): later ops choose their layouts
+            # (suggest_memory_format) from them, as they did when the graph was recorded; a
+            # view stays a view of the same storage
+            out = out.as_strided(n.meta.shape, n.meta.stride, out.storage_offset()) \
+                if n.view_of is not None else meta_tensor(n.meta)
+        vals[n] = out
+        if n.is_scalar:
+            scalars[n] = out
+            metas[n] = n.meta
+        else:
+            metas[n] = to_meta(out, n.meta)
+            if not _same_kind(metas[n], n.meta):
+                raise NotImplementedError(f"re-planning %{n.id} ({n.op}) for new shapes gave "
+                                          f"{metas[n]}, where the graph has {n.meta}")
+    return metas, scalars
+
+
+def _same_kind(new: Any, traced: Any) -> bool:
+    """``new`` has ``traced``'s structure: a tensor where it has a tensor, tuples as long."""
+    if isinstance(traced, TensorMeta):
+        return isinstance(new, TensorMeta)
+    if isinstance(traced, tuple):
+        return isinstance(new, tuple) and len(new) == len(traced) and \
+            all(_same_kind(a, b) for a, b in zip(new, traced))
+    return True
+
+
+def _same_layout(t: torch.Tensor, m: Any) -> bool:
+    """``t`` (a meta tensor) has the concrete metadata ``m``'s dtype and shape, and its strides
+    on every dim longer than 1."""
+    return isinstance(m, TensorMeta) and not m.is_symbolic and t.dtype == m.dtype and \
+        tuple(t.shape) == tuple(m.shape) and \
+        all(sz <= 1 or a == b for sz, a, b in zip(m.shape, t.stride(), m.stride))
