@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .inputs import check_inputs
 from .ir import Graph, Node, ScalarMeta, TensorMeta
 from .lower import SYM_OPS
 from .native import call_args
@@ -68,43 +69,11 @@ def concretize(graph: Graph, args: Sequence[Any]) -> tuple[dict, dict]:
 
     ``scalars`` holds the values of scalar nodes known at plan time (sizes and integer
     arithmetic on them).  Raises ValueError naming the first input whose count, kind, dtype,
-    device or shape does not fit the graph.
+    device or shape does not fit the graph (``inputs.check_inputs``, the validator replayed
+    plans share).
     """
     inputs = graph.inputs
-    if len(args) != len(inputs):
-        raise ValueError(f"expected {len(inputs)} inputs, got {len(args)}")
-    bind: dict = {}
-    for i, (node, a) in enumerate(zip(inputs, args)):
-        what = describe_input(graph, i, node)
-        m = node.meta
-        if isinstance(m, TensorMeta):
-            if not isinstance(a, torch.Tensor):
-                raise ValueError(f"{what}: expected a tensor {m.short()}, got {type(a).__name__}")
-            if a.dtype != m.dtype:
-                raise ValueError(f"{what}: expected dtype {m.dtype}, got {a.dtype}")
-            if a.device.type != m.device.type:
-                raise ValueError(f"{what}: expected a tensor on {m.device}, got {a.device}")
-            if a.dim() != len(m.shape):
-                raise ValueError(f"{what}: expected {len(m.shape)} dims {m.short()}, "
-                                 f"got shape {tuple(a.shape)}")
-            for d, (want, got) in enumerate(zip(m.shape, a.shape)):
-                if type(want) is int:
-                    if want != got:
-                        raise ValueError(f"{what}: expected shape {m.short()}, got "
-                                         f"{tuple(a.shape)} (dim {d})")
-                elif getattr(want, "is_Symbol", False):
-                    if bind.setdefault(want, got) != got:
-                        raise ValueError(f"{what}: dim {d} is {got}, but the same symbolic size "
-                                         f"{want} is {bind[want]} elsewhere")
-        elif isinstance(m, ScalarMeta):
-            if isinstance(a, torch.Tensor) or not isinstance(a, (int, float, bool)):
-                raise ValueError(f"{what}: expected a Python {m.kind.__name__}, got "
-                                 f"{type(a).__name__}")
-            expr = node.annotations.get("expr")
-            if expr is not None and getattr(expr, "is_Symbol", False):
-                if bind.setdefault(expr, a) != a:
-                    raise ValueError(f"{what}: is {a}, but the symbolic size {expr} is "
-                                     f"{bind[expr]} elsewhere")
+    check_inputs(inputs, args, [describe_input(graph, i, n) for i, n in enumerate(inputs)])
     if not graph.is_symbolic:
         return {n: n.meta for n in graph.nodes}, {}
     return propagate(graph, args)
