@@ -152,16 +152,6 @@ def propagate(graph: Graph, args: Sequence[Any]) -> tuple[dict, dict]:
             return _META
         return v
 
-    def to_meta(x, like):
-        if isinstance(x, torch.Tensor):
-            m = TensorMeta.of(x)
-            return dataclasses.replace(m, device=like.device if isinstance(like, TensorMeta)
-                                       else m.device)
-        if isinstance(x, (list, tuple)):
-            likes = like if isinstance(like, tuple) else (None,) * len(x)
-            return tuple(to_meta(a, b) for a, b in zip(x, likes))
-        return ScalarMeta(type(x)) if isinstance(x, (int, float, bool)) else None
-
     for n in graph.nodes:
         if n.is_input:
             a = next(it)
@@ -193,46 +183,71 @@ def propagate(graph: Graph, args: Sequence[Any]) -> tuple[dict, dict]:
             metas[n] = n.meta  # data-dependent: known per call only
             continue
         if n.target is None:  # a custom op: its infer_meta gives the concrete metadata
-            from .ops import get_op, infer_node_meta
-            op = get_op(n.op)
-            if op is None:
-                raise NotImplementedError(f"%{n.id}: no custom op named {n.op} is registered")
-            m = infer_node_meta(op, [metas[x] for x in n.srcs], n.params)
+            m = _custom_meta(n, metas)
             metas[n] = dataclasses.replace(m, device=n.meta.device)
             vals[n] = meta_tensor(m)
             continue
-        a, kw = call_args(n, val, val)
-        try:
-            out = fake_layout_call(n, a, kw) if n.op in FAKE_LAYOUT_OPS else n.target(*a, **kw)
-        except NotImplementedError as e:
-            # no meta kernel (``histogram``, ...): fake tensors, as Dynamo traced it (their
-            # fallback runs the op's own kernel on zeros where its output sizes allow)
-            try:
-                out = fake_layout_call(n, a, kw)
-            except Exception as e2:
-                raise NotImplementedError(f"cannot re-plan %{n.id} ({n.op}) for new shapes on "
-                                          f"the meta device: {e}; with fake tensors: {e2}") from e
-        except Exception as e:  # say which node
-            raise NotImplementedError(f"cannot re-plan %{n.id} ({n.op}) for new shapes on the "
-                                      f"meta device: {e}") from e
-        if isinstance(out, torch.Tensor) and _same_layout(out, n.meta) and \
-                tuple(out.stride()) != tuple(n.meta.stride):
-            # the recorded strides where they differ only on size-1 dims (which torch's
-            # meta and fake functions stride differently): later ops choose their layouts
-            # (suggest_memory_format) from them, as they did when the graph was recorded; a
-            # view stays a view of the same storage
-            out = out.as_strided(n.meta.shape, n.meta.stride, out.storage_offset()) \
-                if n.view_of is not None else meta_tensor(n.meta)
-        vals[n] = out
+        vals[n] = out = _meta_call(n, *call_args(n, val, val))
         if n.is_scalar:
             scalars[n] = out
             metas[n] = n.meta
         else:
-            metas[n] = to_meta(out, n.meta)
+            metas[n] = _to_meta(out, n.meta)
             if not _same_kind(metas[n], n.meta):
                 raise NotImplementedError(f"re-planning %{n.id} ({n.op}) for new shapes gave "
                                           f"{metas[n]}, where the graph has {n.meta}")
     return metas, scalars
+
+
+def _custom_meta(n: Node, metas: dict) -> Any:
+    """The concrete metadata of custom op step ``n`` from its op's ``infer_meta``, given its
+    sources' (``metas``)."""
+    from .ops import get_op, infer_node_meta
+    op = get_op(n.op)
+    if op is None:
+        raise NotImplementedError(f"%{n.id}: no custom op named {n.op} is registered")
+    return infer_node_meta(op, [metas[x] for x in n.srcs], n.params)
+
+
+def _meta_call(n: Node, a: list, kw: dict) -> Any:
+    """``n``'s op run on the meta-device arguments ``a``, ``kw`` (fake tensors where the meta
+    device lacks the op or gives another layout), with the recorded strides where the result
+    differs from them only on size-1 dims.  An error names the node."""
+    try:
+        out = fake_layout_call(n, a, kw) if n.op in FAKE_LAYOUT_OPS else n.target(*a, **kw)
+    except NotImplementedError as e:
+        # no meta kernel (``histogram``, ...): fake tensors, as Dynamo traced it (their
+        # fallback runs the op's own kernel on zeros where its output sizes allow)
+        try:
+            out = fake_layout_call(n, a, kw)
+        except Exception as e2:
+            raise NotImplementedError(f"cannot re-plan %{n.id} ({n.op}) for new shapes on "
+                                      f"the meta device: {e}; with fake tensors: {e2}") from e
+    except Exception as e:  # say which node
+        raise NotImplementedError(f"cannot re-plan %{n.id} ({n.op}) for new shapes on the "
+                                  f"meta device: {e}") from e
+    if isinstance(out, torch.Tensor) and _same_layout(out, n.meta) and \
+            tuple(out.stride()) != tuple(n.meta.stride):
+        # the recorded strides where they differ only on size-1 dims (which torch's
+        # meta and fake functions stride differently): later ops choose their layouts
+        # (suggest_memory_format) from them, as they did when the graph was recorded; a
+        # view stays a view of the same storage
+        out = out.as_strided(n.meta.shape, n.meta.stride, out.storage_offset()) \
+            if n.view_of is not None else meta_tensor(n.meta)
+    return out
+
+
+def _to_meta(x: Any, like: Any) -> Any:
+    """The metadata of meta-device result ``x`` on the device of ``like`` (the recorded
+    metadata): tuples for tuples, ``ScalarMeta`` for numbers, None for anything else."""
+    if isinstance(x, torch.Tensor):
+        m = TensorMeta.of(x)
+        return dataclasses.replace(m, device=like.device if isinstance(like, TensorMeta)
+                                   else m.device)
+    if isinstance(x, (list, tuple)):
+        likes = like if isinstance(like, tuple) else (None,) * len(x)
+        return tuple(_to_meta(a, b) for a, b in zip(x, likes))
+    return ScalarMeta(type(x)) if isinstance(x, (int, float, bool)) else None
 
 
 def _same_kind(new: Any, traced: Any) -> bool:
