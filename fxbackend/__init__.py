@@ -8,6 +8,7 @@ without Dynamo or the model's code (docs/FORMAT.md).  See ARCHITECTURE.md.
 from __future__ import annotations
 
 from . import services
+from ._version import __version__
 from .cpu import CpuProfile, cpu_profile
 from .dynamo import compile_fx_graph, explain, fxbackend_backend
 from .executor import CompiledGraph, ExecContext, Plan
@@ -37,7 +38,6 @@ __all__ = ["fxbackend_backend", "compile_fx_graph", "explain", "CompiledGraph", 
 
 #: the Dynamo backend callable (also registered by name through the entry point)
 backend = fxbackend_backend
-__version__ = "0.1.0"
 
 # The project's own patterns and kernels register through the same public API as any
 # extension (heavy dependencies such as numba and triton load lazily, when a kernel compiles).
