@@ -25,6 +25,7 @@ from .options import Options, parse_options
 from .pipeline import run_pipeline
 from .planfile import ReplayError
 from .planfile.codec import format_meta
+from .planfile.document import used_symbols
 from .planfile.errors import MAX_INT
 
 __all__ = ["export", "from_compiled", "record_graphs", "save"]
@@ -199,9 +200,13 @@ def _from_exported_program(ep: Any, args: tuple, kwargs: dict, opts: Options) ->
                                  "export outputs")
     except ReplayError:
         out_tree = None  # a container replay does not rebuild: outputs come back as a list
+    # only the symbols the node list uses: after run_decompositions torch.export also reports
+    # ranges of symbols no node uses (one per size of the base of an example input that is a
+    # view, freqs.unsqueeze(2)), which no input binds, so that they have no sample value
+    used = {str(s) for s in used_symbols(graph)}
     symbols = {}
     for sym, vr in ep.range_constraints.items():
-        if getattr(sym, "is_Symbol", False):
+        if getattr(sym, "is_Symbol", False) and str(sym) in used:
             lo = int(vr.lower) if _finite(vr.lower) else 0
             hi = int(vr.upper) if _finite(vr.upper) else None
             symbols[sym] = SymbolRange(lo, hi)

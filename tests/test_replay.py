@@ -288,6 +288,60 @@ def test_dynamic_export_replays_within_its_range(tmp_path):
         loaded(torch.randn(3, 6, 8))
 
 
+class _MatrixRope(torch.nn.Module):
+    """RoPE in the rotation-matrix form (the original Flux code, ComfyUI, HiDream)."""
+
+    def forward(self, q, k, freqs_cis):
+        from diffusers.models.transformers.transformer_hidream_image import apply_rope
+        q, k = apply_rope(q, k, freqs_cis)
+        return q * 2, k + 1
+
+
+@pytest.mark.parametrize("rope_rewrite", [True, False], ids=["rewrite", "no_rewrite"])
+def test_export_with_an_example_input_that_is_a_view(tmp_path, rope_rewrite):
+    """A static export whose example input is a view (HiDream's frequency matrices,
+    ``rope(...).unsqueeze(2)``) saves and loads: torch.export gives the sizes of that view's
+    base range constraints that no node uses and no input binds (no sample value), which the
+    plan leaves out and the file never holds (the loader requires every symbol's hint)."""
+    from diffusers.models.transformers.transformer_hidream_image import rope
+    g = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(1, 10, 2, 12, generator=g) for _ in range(2))
+    pos = (torch.arange(10, dtype=torch.float64).view(1, 10) * 7) % 11
+    freqs = rope(pos, 12, 10000).unsqueeze(2)
+    assert freqs._base is not None  # the case: an example input that is a view
+    model = _MatrixRope().eval()
+    options = None if rope_rewrite else {"disable_rewrites": ["rope"]}
+    plan = fxbackend.export(model, (q, k, freqs), options=options)
+    plan.save(tmp_path / "matrix_rope.fxb")
+    loaded = fxbackend.load(tmp_path / "matrix_rope.fxb", options=options)
+    fxbackend.reset_stats()
+    with torch.no_grad():
+        want = model(q, k, freqs)
+        got = loaded(q, k, freqs)
+    assert fxbackend.stats()["rewrites_by_rule"].get("rope", 0) == (2 if rope_rewrite else 0)
+    for a, b, c in zip(got, want, plan(q, k, freqs)):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert plan.symbols == {} and read_sections(tmp_path / "matrix_rope.fxb")[1]["symbols"] == {}
+
+
+def test_save_leaves_out_symbols_no_node_uses():
+    """Every symbol the file holds has a sample value: one the plan knows but no node uses is
+    left out, one a node uses without a sample value is refused at save (not at load)."""
+    import sympy
+    from fxbackend.inputs import SymbolRange
+    from fxbackend.planfile import encode_plan
+    model, x = _small()
+    plan = fxbackend.export(model, (x,), dynamic_shapes={"x": {1: 2 * Dim("h", min=1, max=16)}})
+    (sym, rng), = plan.symbols.items()
+    unused = sympy.Symbol("s999", integer=True, positive=True)
+    plan.symbols[unused] = SymbolRange(2, None, None)
+    doc, _ = encode_plan(plan.parts(), plan.device)
+    assert doc["symbols"] == {str(sym): {"min": 2, "max": 16, "hint": 3, "positive": True}}
+    plan.symbols[sym] = SymbolRange(2, 16, None)
+    with pytest.raises(ReplayError, match=rf"the symbolic size {sym} has no sample value"):
+        encode_plan(plan.parts(), plan.device)
+
+
 # -- calls: layouts, numbers, inputs written ------------------------------------------------------
 
 def test_export_with_an_unbounded_range():

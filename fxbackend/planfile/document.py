@@ -25,7 +25,7 @@ from .graphs import decode_graph, encode_graph
 from .portable import portable_attention
 
 __all__ = ["PlanParts", "decode_plan", "save_plan", "encode_plan", "reader_for",
-           "symbol_ranges"]
+           "symbol_ranges", "used_symbols"]
 
 
 @dataclasses.dataclass
@@ -230,27 +230,41 @@ def encode_plan(parts: PlanParts, device: torch.device) -> tuple[dict, dict[str,
     return doc, tensors
 
 
-def _encode_symbols(parts: PlanParts) -> dict:
-    """The ``symbols`` table; raises ReplayError for a symbol the node list uses without a
-    sample value, and for a scalar input that is not a symbolic size."""
-    symbols = {}
-    for sym, rng in parts.symbols.items():
-        symbols[str(sym)] = {"min": rng.min, "max": rng.max, "hint": rng.hint,
-                             "positive": bool(getattr(sym, "is_positive", False))}
-    for n in parts.graph.nodes:  # every symbol the node list uses needs an entry
+def used_symbols(graph: Graph) -> dict[Any, Node]:
+    """``{symbol: the first node using it}`` for every symbol in the node list's metadata (shapes,
+    strides, offsets) and scalar nodes' expressions: the symbols a plan of ``graph`` needs."""
+    used: dict[Any, Node] = {}
+    for n in graph.nodes:
         metas = n.meta if isinstance(n.meta, tuple) else (n.meta,)
         exprs = [n.annotations.get("expr")]
         for m in metas:
             if isinstance(m, TensorMeta):
                 exprs.extend((*m.shape, *m.stride, m.storage_offset))
-        if n.is_input and n.is_scalar and exprs[0] is None:
-            raise ReplayError(f"input %{n.id}: a scalar input that is not a symbolic size "
-                              f"cannot be saved")
         for e in exprs:
             for s in getattr(e, "free_symbols", ()):
-                if symbols.get(str(s), {}).get("hint") is None:
-                    raise ReplayError(f"the symbolic size {s} has no sample value (node "
-                                      f"%{n.id}): call the plan once before saving it")
+                used.setdefault(s, n)
+    return used
+
+
+def _encode_symbols(parts: PlanParts) -> dict:
+    """The ``symbols`` table: the symbols the node list uses, each with its range and sample
+    value.  A symbol the plan knows but the node list does not use is left out: it constrains
+    nothing and may have no sample value (``torch.export`` gives ranges to the sizes of the base
+    of an example input that is a view), and the loader requires one.  A symbol the node list
+    uses without a sample value, and a scalar input that is not a symbolic size, are a
+    ReplayError."""
+    for n in parts.graph.inputs:
+        if n.is_scalar and n.annotations.get("expr") is None:
+            raise ReplayError(f"input %{n.id}: a scalar input that is not a symbolic size "
+                              f"cannot be saved")
+    used = {str(s): n for s, n in used_symbols(parts.graph).items()}
+    symbols = {str(s): {"min": r.min, "max": r.max, "hint": r.hint,
+                        "positive": bool(getattr(s, "is_positive", False))}
+               for s, r in parts.symbols.items() if str(s) in used}
+    for name, n in used.items():
+        if symbols.get(name, {}).get("hint") is None:
+            raise ReplayError(f"the symbolic size {name} has no sample value (node %{n.id}): "
+                              f"call the plan once before saving it")
     return symbols
 
 
