@@ -22,7 +22,6 @@ from __future__ import annotations
 import ast
 import pathlib
 
-import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: module name prefix -> folder (pyproject.toml's packages and package-dir)
@@ -31,10 +30,8 @@ PACKAGES = {"fxbackend": ROOT / "fxbackend",
             "fxbackend.cpu_kernels": ROOT / "cpu_kernels",
             "fxbackend.cuda_kernels": ROOT / "cuda_kernels"}
 EXTENSIONS = ("fxbackend.patterns", "fxbackend.cpu_kernels", "fxbackend.cuda_kernels")
-#: an edge that closes a cycle, waiting for its module's owner: planfile/document.py reads
-#: ``__version__`` from the package root, which imports replay -> exported -> planfile; the
-#: fix is ``from .._version import __version__`` there
-AWAITING = {("fxbackend.planfile.document", "fxbackend")}
+#: edges that close a cycle, waiting for their module's owner (none now)
+AWAITING: set[tuple[str, str]] = set()
 
 #: modules whose functions stay within FUNCTION_LINES lines: the runtime plan and what was
 #: split out of it (planning passes, code generation, concrete metadata, reports)
@@ -168,8 +165,6 @@ def test_graph_sees_every_kind_of_import():
     assert "fxbackend" not in g["fxbackend.patterns.rope"]  # the extension's public API
 
 
-@pytest.mark.xfail(strict=True, reason="planfile/document.py imports __version__ from the "
-                                       "package root (AWAITING)")
 def test_no_import_cycle():
     g = import_graph()
     cycle = find_cycle(g)

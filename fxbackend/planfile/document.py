@@ -296,5 +296,5 @@ def _pack_weights(weights: dict[str, torch.Tensor], kinds: dict[str, str]
 
 
 def _version() -> str:
-    from .. import __version__
+    from .._version import __version__  # not the package root, which imports this module
     return __version__
