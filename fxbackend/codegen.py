@@ -6,20 +6,24 @@ straight-line Python function ``run(args)`` and the namespace of its constants. 
 nothing of the state; what it counts (steps per kernel, copies) comes back in the result.
 
 Each node is classified once (:meth:`StepWriter.kind`) and written by the small emitter of its
-kind (``_emit_<kind>``):
+kind (``_emit_<kind>``).  The kinds:
 
-- ``input``, ``constant``, ``scalar`` (plan-time values), ``getitem``;
-- ``view``: of planned storage, taken once at plan time; else per call;
-- ``fused_copy``: a fused kernel writing a terminal copy's destination; ``inplace``;
-- ``bind``: ``v = op(...)``, the op's own result (scalars, ops without metadata, results the
-  caller gets and the op allocates anyway);
+- ``input``, ``constant``, ``scalar``: no step: inputs are unpacked from ``args``;
+  constants and plan-time numbers (sizes, arithmetic on them) are constants of the function;
+- ``getitem``: an output of a multi-output step: its name (or a constant), else
+  ``v = parent[i]`` (a per-call ``split``);
+- ``view``: of planned storage, taken once at plan time (a constant); else per call;
+- ``fused_copy``: a fused kernel writing a terminal copy's destination;
+- ``inplace``: an in-place write (``copy_`` into an input, ...), ``op(dest, ...)``;
+- ``bind``: ``v = op(...)``, the op's own result (numbers known per call only, ops without
+  metadata, results the caller gets and the op allocates anyway);
 - ``cached``: a weight-derived value, recomputed only when a weight key changes;
 - ``bound``: a native op whose result is used as it comes back (``PlanState.bound``);
 - ``concat``: a concatenation whose parts were written in place (only the rest is copied);
-- ``device_copy``: the copies of a step placed on the CPU;
-- ``extension``: a kernel's (or a custom op's reference) ``execute``;
-- ``native``: ``op.out(..., out=<arena view>)``, ``out.copy_(x)`` for conversions, or a counted
-  copy of the functional result.
+- ``owned``: a step writing storage it owns (planned, or allocated per call when returned):
+  the copies of a step placed on the CPU; a kernel's (or a custom op's reference)
+  ``execute``; a native op as ``op.out(..., out=<arena view>)``, ``out.copy_(x)`` for
+  conversions, or a counted copy of the functional result.
 """
 from __future__ import annotations
 
