@@ -131,7 +131,8 @@ class PlanPass:
     when: Callable[[PlanState], bool] | None = None
 
     def __repr__(self) -> str:
-        return f"{self.name} (reads {', '.join(self.reads)}; writes {', '.join(self.writes)})"
+        return (f"{self.name} (reads {', '.join(self.reads) or 'nothing'}; "
+                f"writes {', '.join(self.writes) or 'nothing'})")
 
 
 # -- helpers the passes share ---------------------------------------------------------------

@@ -65,3 +65,14 @@ def test_tables_well_formed(path):
                 problems.append(f"line {no}: a repeated row")
             seen.add(row)
     assert not problems, f"{path.name}:\n" + "\n".join(problems)
+
+
+def test_architecture_data_flow_is_the_pass_list():
+    """ARCHITECTURE.md's data-flow picture lists the plan-time passes as
+    ``fxbackend.planning.describe_passes()`` prints them: every pass, in order."""
+    from fxbackend.planning import describe_passes
+
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    picture = text.split("## Data flow\n```\n", 1)[1].split("\n```", 1)[0]
+    listed = [ln.strip() for ln in picture.splitlines() if re.match(r"\s*\d+\. ", ln)]
+    assert listed == [ln.strip() for ln in describe_passes().splitlines()]
