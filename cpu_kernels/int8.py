@@ -40,7 +40,14 @@ phases, each a whole pass over its data:
    at 1024 rows): ``torch._int_mm`` alone 5.5-8x faster than float32 ``F.linear``, the whole
    step (quantize + GEMM + epilogue) 3.8-5.5x.  It is exact here: the tests check it against
    a float64 product at the extremes of int8 (some int8 paths of older CPUs accumulate pairs
-   in saturating int16).
+   in saturating int16).  Without VNNI or AMX-INT8 ``torch._int_mm`` crawls (~100x float32
+   on an AVX2-only CPU), so where the CPU profile's ``int8_gemm`` decision is
+   ``quantized_linear`` the GEMM runs through torch's quantized linear engine (fbgemm) instead:
+   the weight is quantized with 7-bit codes (its AVX2 kernels add two u8 x s8 products in
+   saturating 16 bits; 2 * 255 * 63 < 2^15) and prepacked once with it, the activation codes
+   go in as floats with scale 1 and zero point 128 (exact), and the engine's float32 result
+   (the int32 sum rounded to float32) is written back into the int32 accumulator, so the
+   epilogue and the fusions after it are the same (``fxbackend.cpu.quantized_linear_gemm``).
 3. the epilogue, one parallel pass over rows, in place (each int32 read before the float32 is
    written to the same address, by the same iteration)::
 
@@ -61,6 +68,8 @@ rope's ``_load`` needs a change here or a cleared cache).
 """
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -68,10 +77,11 @@ import torch
 
 import fxbackend
 from fxbackend import TensorMeta, services
-from fxbackend.patterns.int8 import (FLOATS, REGULAR_HADAMARD_GROUPS, Int8Device, LinearKernel,
-                                     QuantizeKernel, check_linear, hadamard_stages,
-                                     linear_node_why_not, quantize_direct, run_linear,
-                                     scales_why_not)
+from fxbackend.cpu import int8_weight_max, quantized_linear_gemm, quantized_linear_pack
+from fxbackend.patterns.int8 import (FLOATS, QMAX, REGULAR_HADAMARD_GROUPS, Int8Device,
+                                     LinearKernel, QuantizeKernel, check_linear, hadamard_stages,
+                                     linear_node_why_not, quantize_direct,
+                                     quantize_weight_i8_reference, run_linear, scales_why_not)
 
 from . import _numba
 from . import rope as _rope
@@ -437,14 +447,62 @@ def _epilogue_rows(acc, out, xs, ws, bias) -> None:
     _epilogue(acc, out, xs, ws, bias, *acc.shape)
 
 
+#: profile -> the int8 GEMM path its ``int8_gemm`` decision names (profiles are cached
+#: objects, so this is a lookup per call)
+_engines: dict = {}
+#: int8 weights this file quantized for the quantized linear engine -> their prepacked form
+#: (held while the weight is: a weight state replaces its tensors when the weight changes)
+_packed: dict = {}  # id(weight) -> (weakref to it, packed); dropped with the weight
+_pack_lock = threading.Lock()
+
+
+def _engine() -> tuple[str, int]:
+    """``(int8 GEMM path, largest weight code)`` for this process's CPU profile
+    (``fxbackend.cpu``: ``int_mm`` or ``quantized_linear``; ``float32`` plans have no INT8
+    step, and a step run anyway takes ``int_mm``, exact everywhere)."""
+    p = fxbackend.cpu_profile()
+    got = _engines.get(p)
+    if got is None:
+        choice = p.decide("int8_gemm").choice
+        got = _engines[p] = (choice if choice == "quantized_linear" else "int_mm",
+                             int8_weight_max(p))
+    return got
+
+
 def _gemm(qx: torch.Tensor, qw: torch.Tensor, acc: torch.Tensor) -> None:
+    """``acc = qx @ qw.T`` (int32): through the prepacked quantized linear where the profile
+    chose it and this file quantized ``qw`` for it (its codes then fit the engine's 16-bit pair
+    sums), else ``torch._int_mm``."""
+    if _engine()[0] == "quantized_linear":
+        held = _packed.get(id(qw))
+        if held is not None and held[0]() is qw:
+            quantized_linear_gemm(qx, held[1], acc)
+            return
     torch._int_mm(qx, qw.t(), out=acc)
 
 
 def _quantize_weight(w: torch.Tensor, group: int, w_i8: torch.Tensor,
                      w_scale: torch.Tensor) -> None:
+    """A float weight into its int8 rows and scales: the numba kernel (8-bit codes), or for
+    the quantized linear engine on a CPU without VNNI the reference with 7-bit codes
+    (``int8_weight_max``), prepacked once for the engine."""
     n = w.shape[0]
-    quantize_rows_cpu(w, group, w_i8, w_scale, n, n)
+    engine, qmax = _engine()
+    if engine == "quantized_linear" and qmax < QMAX:
+        q, scale = quantize_weight_i8_reference(w, group, qmax)
+        w_i8.copy_(q)
+        w_scale.copy_(scale)
+    else:
+        quantize_rows_cpu(w, group, w_i8, w_scale, n, n)
+    if engine == "quantized_linear":
+        packed = quantized_linear_pack(w_i8)
+        with _pack_lock:
+            _packed[id(w_i8)] = (weakref.ref(w_i8), packed)
+        weakref.finalize(w_i8, _packed.pop, id(w_i8), None)
+
+
+#: the weight state keys its held value by the code range too (``patterns/int8.WeightState``)
+_quantize_weight.variant = lambda: _engine()
 
 
 def _compile_quantize(x, m, mp, group, device) -> None:

@@ -22,10 +22,14 @@ The override changes decisions only; to run the kernels with narrower vectors to
 
 Decisions (:meth:`CpuProfile.decide`), each a :class:`Decision` with its reason:
 - ``int8_gemm``: how ``sd.linear_i8.v1`` (W8A8) multiplies int8 by int8 on this CPU:
-  ``int_mm`` (``torch._int_mm``) where VNNI or AMX-INT8 dot products exist, or where the probe
-  measures it faster than float32; otherwise ``float32``: the ``quantize="w8a8"`` rewrite
-  declines every linear on the CPU with the reason, since no int8 path here beats the float32
-  GEMM it would replace.
+  ``int_mm`` (``torch._int_mm``) where VNNI or AMX-INT8 dot products exist; without them
+  (AVX2-only CPUs, where ``torch._int_mm`` crawls) ``quantized_linear``: torch's quantized
+  linear engine (fbgemm) with the weight prepacked once, whose AVX2 kernels multiply unsigned
+  by signed bytes into 16-bit pair sums that saturate, so the weight takes 7-bit codes
+  (:func:`int8_weight_max`: 63) and every pair sum stays exact.  A probe measures both paths
+  against float32 where it may run, and a path is taken only when it beats float32 by
+  :data:`MARGIN`; otherwise ``float32``: the ``quantize="w8a8"`` rewrite declines every linear
+  on the CPU with the reason, since no int8 path here beats the float32 GEMM it would replace.
 - ``bfloat16`` / ``float16``: how 16-bit GEMMs and convolutions compute: ``native`` where the
   CPU has the 16-bit dot products (AVX-512 BF16 or AMX-BF16; AVX-512 FP16 or AMX-FP16) or the
   probe measures the 16-bit op faster than the float32 op plus the casts; otherwise ``float32``:
@@ -54,7 +58,8 @@ from typing import Callable
 import torch
 
 __all__ = ["CpuProfile", "Decision", "cpu_profile", "CLASSES", "FEATURES", "run_probes",
-           "probe_cache_path", "cpu_report_lines"]
+           "probe_cache_path", "cpu_report_lines", "int8_weight_max", "quantized_linear_pack",
+           "quantized_linear_gemm", "quantized_linear_available"]
 
 #: the CPU flags (as ``/proc/cpuinfo`` names them) that the decisions read
 FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
@@ -158,18 +163,7 @@ def cpu_report_lines(graph) -> list[str]:
 
 def _decide(p: CpuProfile, name: str) -> Decision:
     if name == "int8_gemm":
-        if p.has(*_INT8_DOT):
-            have = [f for f in _INT8_DOT if f in p.features]
-            return Decision(name, "int_mm", f"torch._int_mm: the CPU has {' and '.join(have)}")
-        ratio = p.probes().get("int_mm_speedup")
-        if ratio is not None:
-            if ratio >= MARGIN:
-                return Decision(name, "int_mm", f"torch._int_mm measured {ratio:.2f}x float32 "
-                                                "on this CPU")
-            return Decision(name, "float32", f"no int8 GEMM beats float32 here (torch._int_mm "
-                                             f"measured {ratio:.2f}x float32): W8A8 declines")
-        return Decision(name, "float32", "no VNNI or AMX-INT8, so int8 GEMM is slower than "
-                                         "float32 here: W8A8 declines")
+        return _decide_int8(p)
     if name in _NATIVE_16:
         if p.has(*_NATIVE_16[name]):
             have = [f for f in _NATIVE_16[name] if f in p.features]
@@ -186,6 +180,79 @@ def _decide(p: CpuProfile, name: str) -> Decision:
         return Decision(name, "float32", f"no native {name} dot products on this CPU: GEMMs "
                                          f"and convolutions compute in float32")
     raise ValueError(f"cpu_profile().decide: unknown decision {name!r}; one of {DECISIONS}")
+
+
+def quantized_linear_available() -> bool:
+    """True when torch has the fbgemm quantized-linear engine (x86-64 builds do)."""
+    try:
+        return "fbgemm" in torch.backends.quantized.supported_engines
+    except Exception:
+        return False
+
+
+def quantized_linear_pack(qw: torch.Tensor):
+    """The int8 weight ``qw`` ``[N, K]`` prepacked for :func:`quantized_linear_gemm` (the
+    fbgemm engine, per-channel scales 1.0 and zero points 0: the product stays in integers)."""
+    import warnings
+    n = qw.shape[0]
+    with warnings.catch_warnings():  # quantized tensors are deprecated in favour of torchao;
+        warnings.simplefilter("ignore")  # the engine still takes them in this torch
+        q = torch._make_per_channel_quantized_tensor(
+            qw.contiguous(), torch.ones(n, dtype=torch.float64),
+            torch.zeros(n, dtype=torch.int64), 0)
+        with _engine_lock:
+            before = torch.backends.quantized.engine
+            torch.backends.quantized.engine = "fbgemm"
+            try:
+                return torch.ops.quantized.linear_prepack(q, None)
+            finally:
+                torch.backends.quantized.engine = before
+
+
+_engine_lock = threading.Lock()
+
+
+def quantized_linear_gemm(qx: torch.Tensor, packed, acc: torch.Tensor) -> None:
+    """``acc = qx @ qw.T`` in int32 (``acc`` ``[M, N]``) through the prepacked ``qw``: the
+    codes as floats, quantized by the engine with scale 1 and zero point 128 (exact: every
+    code is an integer in [-128, 127]), the integer product, its float32 values (the int32
+    accumulator rounded to float32, as the epilogue would round it) written back as int32."""
+    y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+        qx.to(torch.float32), 1.0, 128, packed)
+    acc.copy_(y)
+
+
+def int8_weight_max(p: CpuProfile | None = None) -> int:
+    """The largest weight code W8A8 may use with profile ``p`` (default: this CPU's): 127
+    with VNNI or AMX-INT8 dot products, 63 without (the quantized linear engine's AVX2
+    kernels add two u8 x s8 products in saturating 16 bits: 255 * 63 * 2 < 2^15)."""
+    p = cpu_profile() if p is None else p
+    return 127 if p.has(*_INT8_DOT) else 63
+
+
+def _decide_int8(p: CpuProfile) -> Decision:
+    name = "int8_gemm"
+    if p.has(*_INT8_DOT):
+        have = [f for f in _INT8_DOT if f in p.features]
+        return Decision(name, "int_mm", f"torch._int_mm: the CPU has {' and '.join(have)}")
+    engine = quantized_linear_available()
+    probes = p.probes()
+    ql, im = probes.get("quantized_linear_speedup"), probes.get("int_mm_speedup")
+    if ql is not None and im is not None:
+        best = max((ql, "quantized_linear"), (im, "int_mm")) if engine else (im, "int_mm")
+        if best[0] >= MARGIN:
+            what = ("the prepacked quantized linear, 7-bit weights" if best[1] ==
+                    "quantized_linear" else "torch._int_mm")
+            return Decision(name, best[1], f"{what}: measured {best[0]:.2f}x float32 on this "
+                                           f"CPU (torch._int_mm {im:.2f}x)")
+        return Decision(name, "float32", f"no int8 GEMM beats float32 here (quantized linear "
+                                         f"measured {ql:.2f}x, torch._int_mm {im:.2f}x "
+                                         f"float32): W8A8 declines")
+    if engine:
+        return Decision(name, "quantized_linear", "no VNNI or AMX-INT8: the prepacked "
+                                                  "quantized linear (fbgemm), 7-bit weights")
+    return Decision(name, "float32", "no VNNI or AMX-INT8 and no quantized linear engine, so "
+                                     "int8 GEMM is slower than float32 here: W8A8 declines")
 
 
 def _cpuinfo() -> tuple[frozenset, str]:
@@ -281,14 +348,17 @@ def _speedup(candidate: Callable[[], object], rival: Callable[[], object], round
     return best[1] / best[0]
 
 
-_PROBE_VERSION = 1
+_PROBE_VERSION = 2
+#: the figures every cached entry must hold (an entry without one is measured again)
+_PROBED_KEYS = {"int_mm_speedup", "quantized_linear_speedup", "bfloat16_mm_speedup",
+                "bfloat16_conv_speedup", "float16_mm_speedup", "float16_conv_speedup"}
 
 
 def _measure() -> dict:
     """The probes' raw figures: the speed of each candidate path against its float32 rival
     (>1: the candidate is faster).  Shapes: a [256, 512] x [512, 512] GEMM, and a 3x3
     convolution of 32 channels on 32x32 in channels-last (the layout the plans give 16-bit
-    convolutions)."""
+    convolutions); the quantized linear engine on [256, 1024] x [1024, 1024]."""
     g = torch.Generator().manual_seed(0)
     out: dict = {}
     with torch.no_grad():
@@ -299,6 +369,18 @@ def _measure() -> dict:
         qw = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
         out["int_mm_speedup"] = _speedup(lambda: torch._int_mm(qx, qw.t()),
                                          lambda: torch.mm(x, w.t()))
+        if quantized_linear_available():  # a larger GEMM: the engine's per-call costs (the
+            # float codes, the int32 copy) are a larger share of a small one than in a model
+            m, k, n = 256, 1024, 1024
+            xl, wl = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+            ql = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
+            packed = quantized_linear_pack(  # 7-bit codes, as W8A8 gives the engine
+                torch.randint(-63, 64, (n, k), dtype=torch.int8, generator=g))
+            acc = torch.empty(m, n, dtype=torch.int32)
+            out["quantized_linear_speedup"] = _speedup(
+                lambda: quantized_linear_gemm(ql, packed, acc), lambda: torch.mm(xl, wl.t()))
+        else:
+            out["quantized_linear_speedup"] = 0.0
         cl = torch.channels_last
         xc = torch.randn(1, 32, 32, 32, generator=g).to(memory_format=cl)
         wc = torch.randn(32, 32, 3, 3, generator=g).to(memory_format=cl)
@@ -331,7 +413,7 @@ def run_probes(p: CpuProfile) -> dict:
         except (OSError, ValueError):
             saved = {}
         entry = saved.get(key) if isinstance(saved, dict) else None
-        if not isinstance(entry, dict) or "int_mm_speedup" not in entry:
+        if not isinstance(entry, dict) or not _PROBED_KEYS <= entry.keys():
             entry = _measure()
             entry["measured"] = time.strftime("%Y-%m-%d %H:%M:%S")
             saved = saved if isinstance(saved, dict) else {}

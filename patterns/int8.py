@@ -195,17 +195,22 @@ def rotate_reference(x: torch.Tensor, group: int) -> torch.Tensor:
     return (t * (2.0 ** -k)).reshape(r.shape)
 
 
-def quantize_rows_reference(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_reference(r: torch.Tensor, qmax: int = QMAX) -> tuple[torch.Tensor,
+                                                                         torch.Tensor]:
     """Symmetric per-row int8 quantization of float32 rows ``r [M, K]`` (module docstring):
-    ``(q int8 [M, K], scale float32 [M])`` with ``scale = max|r| / 127`` (1.0 where that is 0)
-    and ``q = clamp(round_half_even(r / scale), -127, 127)``."""
+    ``(q int8 [M, K], scale float32 [M])`` with ``scale = max|r| / qmax`` (1.0 where that is
+    0) and ``q = clamp(round_half_even(r / scale), -qmax, qmax)``; ``qmax`` 127 (8-bit codes)
+    unless a GEMM engine needs fewer bits (63: ``fxbackend.cpu.int8_weight_max``)."""
+    if not isinstance(qmax, int) or not 1 <= qmax <= QMAX:
+        raise ValueError(f"quantize_rows_reference: qmax must be an int in [1, {QMAX}], got "
+                         f"{qmax!r}")
     r = r.to(torch.float32)
     if r.shape[-1] == 0:
         return torch.zeros(r.shape, dtype=torch.int8, device=r.device), \
             torch.ones(r.shape[:-1], dtype=torch.float32, device=r.device)
-    scale = r.abs().amax(dim=-1) / QMAX
+    scale = r.abs().amax(dim=-1) / qmax
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    q = torch.round(r / scale.unsqueeze(-1)).clamp_(-QMAX, QMAX).to(torch.int8)
+    q = torch.round(r / scale.unsqueeze(-1)).clamp_(-qmax, qmax).to(torch.int8)
     return q, scale
 
 
@@ -289,18 +294,18 @@ def quantize_i8_convrot_reference(x: torch.Tensor, group: int = 1) -> torch.Tens
     return pack(*quantize_rows_reference(r))
 
 
-def quantize_weight_i8_reference(w: torch.Tensor, group: int = 1) -> tuple[torch.Tensor,
-                                                                            torch.Tensor]:
+def quantize_weight_i8_reference(w: torch.Tensor, group: int = 1,
+                                 qmax: int = QMAX) -> tuple[torch.Tensor, torch.Tensor]:
     """An ahead-of-time weight for ``sd.linear_i8.v1 {w_kind="int8", group}``: ``w`` (float
     ``[N, K]``, ``K % group == 0``) rotated along K like the activations and quantized per
     output channel: ``(w_i8 int8 [N, K], w_scale float32 [N])`` with ``w_scale[n] =
-    max|rotated row n| / 127`` and the rounding of the module docstring.  Save both and pass
-    them as the ``w`` and ``w_scale`` sources."""
+    max|rotated row n| / qmax`` (127 by default) and the rounding of the module docstring.
+    Save both and pass them as the ``w`` and ``w_scale`` sources."""
     if not isinstance(w, torch.Tensor) or w.dim() != 2:
         raise ValueError(f"quantize_weight_i8_reference: w must be a 2-D [N, K] tensor, got "
                          f"{tuple(getattr(w, 'shape', ()))}")
     _check_quantize_x(w, group, "quantize_weight_i8_reference")
-    return quantize_rows_reference(rotate_reference(w, group))
+    return quantize_rows_reference(rotate_reference(w, group), qmax)
 
 
 def int_dot(qx: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
@@ -365,8 +370,11 @@ class WeightState:
 
     def get(self, w: torch.Tensor, group: int, quantize) -> tuple[torch.Tensor, torch.Tensor]:
         key = weight_key(w)
+        variant = getattr(quantize, "variant", None)  # a quantizer with variants names the
+        # one it runs now (the CPU's: the largest code its GEMM engine takes)
         what = ("sd.linear_i8.v1 weight", group, self.n, self.k, str(self.device),
-                getattr(quantize, "__module__", ""), getattr(quantize, "__qualname__", ""))
+                getattr(quantize, "__module__", ""), getattr(quantize, "__qualname__", ""),
+                None if variant is None else variant())
         c = derived_cell((w,), what, self._held)
         pair = c._pair
         if pair[0] != key:

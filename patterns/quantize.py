@@ -30,10 +30,11 @@ x and W (the kernels read them as they are) and its float32 result is cast to th
 the cast into the linear's epilogue (``int8_linear_cast``).  The group of a layer is the largest ConvRot group up to
 ``convrot_group`` that divides its K (:func:`group_for`: Flux's K = 3072 takes 256, a K of 384
 takes 64), so every eligible layer is rotated as much as its width allows.  Every other linear stays in float
-and the plan's report says why (``rewrite quantize_w8a8 declined on %n: ...``).  On a CPU
-whose profile finds no int8 GEMM faster than float32 (:func:`fxbackend.cpu_profile`, decision
-``int8_gemm``: no VNNI or AMX-INT8, e.g. AVX2-only) every CPU layer stays in float32, with that
-reason: quantization there would make the model slower than float32.
+and the plan's report says why (``rewrite quantize_w8a8 declined on %n: ...``).  The CPU
+profile's ``int8_gemm`` decision (:func:`fxbackend.cpu_profile`) picks the GEMM: ``torch._int_mm``
+with VNNI or AMX-INT8, the prepacked quantized linear engine with 7-bit weight codes without
+them (AVX2-only CPUs); where it finds no int8 GEMM faster than float32 every CPU layer stays in
+float32, with that reason: quantization there would make the model slower than float32.
 """
 from __future__ import annotations
 

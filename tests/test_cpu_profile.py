@@ -18,8 +18,8 @@ pytestmark = pytest.mark.cpu_profile
 
 #: what each class implies: (int8_gemm, bfloat16, float16)
 EXPECTED = {
-    "avx2": ("float32", "float32", "float32"),
-    "avx512": ("float32", "float32", "float32"),
+    "avx2": ("quantized_linear", "float32", "float32"),
+    "avx512": ("quantized_linear", "float32", "float32"),
     "avx512_vnni": ("int_mm", "float32", "float32"),
     "avx512_bf16": ("int_mm", "native", "float32"),
     "amx": ("int_mm", "native", "native"),
@@ -81,13 +81,15 @@ def _detected(features=frozenset()) -> cpu.CpuProfile:
 
 
 @pytest.mark.parametrize("ratios,want", [
-    ({"int_mm_speedup": 0.01, "bfloat16_mm_speedup": 0.006, "bfloat16_conv_speedup": 0.005},
-     ("float32", "float32")),
-    ({"int_mm_speedup": 3.0, "bfloat16_mm_speedup": 2.0, "bfloat16_conv_speedup": 1.5},
-     ("int_mm", "native")),
+    ({"int_mm_speedup": 0.01, "quantized_linear_speedup": 0.9, "bfloat16_mm_speedup": 0.006,
+      "bfloat16_conv_speedup": 0.005}, ("float32", "float32")),
+    ({"int_mm_speedup": 0.01, "quantized_linear_speedup": 2.4, "bfloat16_mm_speedup": 0.006,
+      "bfloat16_conv_speedup": 0.005}, ("quantized_linear", "float32")),
+    ({"int_mm_speedup": 3.0, "quantized_linear_speedup": 2.0, "bfloat16_mm_speedup": 2.0,
+      "bfloat16_conv_speedup": 1.5}, ("int_mm", "native")),
     # within the margin: the conservative path
-    ({"int_mm_speedup": 1.1, "bfloat16_mm_speedup": 4.0, "bfloat16_conv_speedup": 1.1},
-     ("float32", "float32")),
+    ({"int_mm_speedup": 1.1, "quantized_linear_speedup": 1.15, "bfloat16_mm_speedup": 4.0,
+      "bfloat16_conv_speedup": 1.1}, ("float32", "float32")),
 ])
 def test_probes_decide_what_features_do_not(ratios, want, monkeypatch):
     monkeypatch.setattr(cpu, "run_probes", lambda p: ratios)
@@ -107,16 +109,43 @@ def test_features_settle_without_probing(monkeypatch, no_probe):
 def test_probes_off_take_the_conservative_path(monkeypatch, no_probe):
     p = cpu.CpuProfile("AVX2", frozenset({"avx2"}), 2, "test CPU", "detected",
                        probes_enabled=False)
-    assert p.decide("int8_gemm").choice == "float32"
+    assert p.decide("int8_gemm").choice == "quantized_linear"  # the engine's AVX2 kernels
     assert p.decide("float16").choice == "float32"
+    monkeypatch.setattr(cpu, "quantized_linear_available", lambda: False)
+    assert p.decide("int8_gemm").choice == "float32"
+    assert "no quantized linear engine" in p.decide("int8_gemm").reason
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_weight_codes_fit_the_engine(name, monkeypatch):
+    """Without VNNI the engine adds two u8 x s8 products in 16 bits: weights take 7 bits."""
+    monkeypatch.setenv("FXB_CPU_PROFILE", name)
+    want = 127 if EXPECTED[name][0] == "int_mm" else 63
+    assert cpu.int8_weight_max() == want
+    assert 2 * 255 * cpu.int8_weight_max() < 2 ** 15 or want == 127
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 4, 4), (37, 256, 64), (300, 1024, 96)])
+def test_quantized_linear_gemm_is_the_exact_integer_product(m, k, n):
+    """The engine's product of int8 codes at the extremes (-128 .. 127 activations, 7-bit
+    weights) equals the float64 one, rounded to float32 as the epilogue rounds int32."""
+    g = torch.Generator().manual_seed(m)
+    qx = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=g)
+    qx[0, :] = torch.tensor([-128, 127] * (k // 2), dtype=torch.int8)
+    qw = torch.randint(-63, 64, (n, k), dtype=torch.int8, generator=g)
+    qw[0, :] = 63
+    acc = torch.empty(m, n, dtype=torch.int32)
+    cpu.quantized_linear_gemm(qx, cpu.quantized_linear_pack(qw), acc)
+    want = (qx.double() @ qw.double().t()).float()
+    assert torch.equal(acc.float(), want)
 
 
 def test_probes_are_measured_once_and_cached_on_disk(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(cpu, "_probed", {})
     calls = []
-    fake = {"int_mm_speedup": 0.5, "bfloat16_mm_speedup": 0.2, "bfloat16_conv_speedup": 0.1,
-            "float16_mm_speedup": 0.2, "float16_conv_speedup": 0.1}
+    fake = {"int_mm_speedup": 0.5, "quantized_linear_speedup": 1.0, "bfloat16_mm_speedup": 0.2,
+            "bfloat16_conv_speedup": 0.1, "float16_mm_speedup": 0.2, "float16_conv_speedup": 0.1}
     monkeypatch.setattr(cpu, "_measure", lambda: calls.append(1) or dict(fake))
     p = _detected()
     first = cpu.run_probes(p)
@@ -133,8 +162,7 @@ def test_probes_are_measured_once_and_cached_on_disk(tmp_path, monkeypatch):
 def test_real_probes_are_quick_and_finite(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     got = cpu._measure()
-    assert set(got) == {"int_mm_speedup", "bfloat16_mm_speedup", "bfloat16_conv_speedup",
-                        "float16_mm_speedup", "float16_conv_speedup"}
+    assert set(got) == cpu._PROBED_KEYS
     assert all(0 < v < float("inf") for v in got.values())
 
 
@@ -161,14 +189,62 @@ def test_w8a8_follows_the_int8_decision(name, monkeypatch):
     fxbackend.reset_stats()
     report = fxbackend.explain(model, x, options={"quantize": "w8a8"})
     quantized = fxbackend.stats()["rewrites_by_rule"].get("quantize_w8a8", 0)
-    if EXPECTED[name][0] == "int_mm":
-        assert quantized == 2, report
-    else:
-        assert quantized == 0 and "linear_i8" not in report, report
-        assert report.count("rewrite quantize_w8a8 declined") == 2
-        assert "int8 GEMM on this CPU: no VNNI or AMX-INT8" in report
+    assert quantized == 2, report
     assert f"cpu profile (FXB_CPU_PROFILE={name})" in report
     assert "cpu decision int8_gemm: " + EXPECTED[name][0] in report
+
+
+def test_w8a8_declines_where_no_int8_gemm_beats_float32(monkeypatch):
+    monkeypatch.setenv("FXB_CPU_PROFILE", "avx2")
+    monkeypatch.setattr(cpu, "quantized_linear_available", lambda: False)
+    torch.manual_seed(0)
+    fxbackend.reset_stats()
+    report = fxbackend.explain(_Mlp().eval(), torch.randn(8, 64), options={"quantize": "w8a8"})
+    assert fxbackend.stats()["rewrites_by_rule"].get("quantize_w8a8", 0) == 0
+    assert "linear_i8" not in report and report.count("rewrite quantize_w8a8 declined") == 2
+    assert "int8 GEMM on this CPU: no VNNI or AMX-INT8" in report
+
+
+def _w8a8(model):
+    return torch.compile(model, backend="fxbackend", options={"quantize": "w8a8"})
+
+
+def test_w8a8_on_the_quantized_linear_engine(monkeypatch):
+    """Under the AVX2 class every linear runs through the prepacked engine with 7-bit weight
+    codes: close to eager, close to the 8-bit ``torch._int_mm`` path, and current after the
+    weights change through ``.data`` (the weight is quantized and packed again)."""
+    from fxbackend.cpu_kernels import int8 as cpu_int8
+    torch.manual_seed(0)
+    model = _Mlp().eval()
+    x = torch.randn(8, 64)
+    calls = []
+    real = cpu_int8.quantized_linear_gemm
+    monkeypatch.setattr(cpu_int8, "quantized_linear_gemm",
+                        lambda *a: calls.append(1) or real(*a))
+
+    def cosine(a, b):
+        return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(),
+                                                     dim=0).item()
+
+    monkeypatch.setenv("FXB_CPU_PROFILE", "amx")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eight = _w8a8(model)(x)
+        assert calls == []
+        monkeypatch.setenv("FXB_CPU_PROFILE", "avx2")
+        torch._dynamo.reset()
+        compiled = _w8a8(model)
+        seven = compiled(x)
+        assert len(calls) == 2  # both linears
+        ref = model(x)
+        assert cosine(seven, ref) > 0.999 and cosine(eight, ref) > 0.999
+        assert (seven - ref).abs().max() < 4 * (eight - ref).abs().max() + 1e-3
+        for p in model.parameters():
+            p.data.mul_(-0.5)
+        ref = model(x)
+        again = compiled(x)
+    assert len(calls) == 4
+    assert cosine(again, ref) > 0.999
 
 
 def test_numba_compiles_for_a_named_cpu_only():
