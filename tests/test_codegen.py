@@ -315,13 +315,13 @@ def _make(empty_strided, _wkey, _wcell, _held, c0, c1, c2, c3, _ws):
 # c3 = torch.mul""")
 
 
-def test_bind_of_a_number_known_per_call_only(monkeypatch):
+def test_bind_of_a_number_known_per_call_only():
     # item() is a number of each call (%3: the op's own result); the tensor Dynamo returns
     # for it is made by an op the plan hands over as it comes (%4: returned, allocated by
     # the op anyway)
-    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
     x = torch.randn(2, 3)
-    plan = _compiled_plan(lambda x: (x * 2, x.sum().item()), x)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        plan = _compiled_plan(lambda x: (x * 2, x.sum().item()), x)
     assert_expected_inline(_golden(plan), """\
 # kinds: %0:input %1:owned %2:bound %3:bind %4:bind
 def _make(empty_strided, _wkey, _wcell, _held, c0, c1, c2, c3, c4, c5, c6, c7, c8, _ws):
