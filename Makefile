@@ -1,5 +1,6 @@
 # make demo: compile a small diffusers Flux transformer with fxbackend and compare it with eager.
-# make test: the test suite.  Both create .venv and install what they need when it is missing.
+# make test: the test suite, then test-avx2 (the CPU-dependent tests with AVX2 vectors).
+# Both create .venv and install what they need when it is missing.
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
@@ -7,7 +8,7 @@ STAMP := $(VENV)/.fxbackend-installed
 # test processes (pytest-xdist): one per core, at most 4 (each holds ~1.5 GB); 0 runs serially
 TEST_WORKERS ?= auto
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test test-avx2 bench venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -22,9 +23,20 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VPY) -m fxbackend demo
 
+# the tests whose outcome depends on the CPU class, run again by test-avx2 with the vectors
+# limited to AVX2 and the AVX2 class pinned (an AVX-512 host then checks the AVX2 paths too)
+ISA_TESTS := tests/test_cpu_profile.py tests/test_upcast.py tests/test_quantize.py
+AVX2_LIMITS := FXB_TEST_CPU_PROFILE=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+	NUMBA_CPU_NAME=haswell
+
 test: $(STAMP)
 	$(VPY) -m pytest -q -x -p no:cacheprovider -n $(TEST_WORKERS) --maxprocesses 4 \
 		--dist worksteal tests
+	$(MAKE) --no-print-directory test-avx2
+
+test-avx2: $(STAMP)
+	$(AVX2_LIMITS) $(VPY) -m pytest -q -x -p no:cacheprovider -n $(TEST_WORKERS) \
+		--maxprocesses 4 $(ISA_TESTS)
 
 bench: $(STAMP)
 	$(VPY) scripts/bench.py

@@ -77,7 +77,8 @@ import torch
 
 import fxbackend
 from fxbackend import TensorMeta, services
-from fxbackend.cpu import int8_weight_max, quantized_linear_gemm, quantized_linear_pack
+from fxbackend.cpu import (int8_weight_max, int_mm_exact, quantized_linear_gemm,
+                           quantized_linear_pack)
 from fxbackend.patterns.int8 import (FLOATS, QMAX, REGULAR_HADAMARD_GROUPS, Int8Device,
                                      LinearKernel, QuantizeKernel, check_linear, hadamard_stages,
                                      linear_node_why_not, quantize_direct,
@@ -472,13 +473,18 @@ def _engine() -> tuple[str, int]:
 def _gemm(qx: torch.Tensor, qw: torch.Tensor, acc: torch.Tensor) -> None:
     """``acc = qx @ qw.T`` (int32): through the prepacked quantized linear where the profile
     chose it and this file quantized ``qw`` for it (its codes then fit the engine's 16-bit pair
-    sums), else ``torch._int_mm``."""
+    sums), else ``torch._int_mm`` where it is exact (``fxbackend.cpu.int_mm_exact``), else a
+    float64 product (exact; an int8 weight the plan did not quantize on a CPU whose int8
+    kernels saturate)."""
     if _engine()[0] == "quantized_linear":
         held = _packed.get(id(qw))
         if held is not None and held[0]() is qw:
             quantized_linear_gemm(qx, held[1], acc)
             return
-    torch._int_mm(qx, qw.t(), out=acc)
+    if int_mm_exact():
+        torch._int_mm(qx, qw.t(), out=acc)
+    else:  # saturating int8 kernels (no VNNI): exact in float64, slowly
+        acc.copy_(torch.mm(qx.double(), qw.double().t()))
 
 
 def _quantize_weight(w: torch.Tensor, group: int, w_i8: torch.Tensor,

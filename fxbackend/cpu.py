@@ -59,7 +59,7 @@ import torch
 
 __all__ = ["CpuProfile", "Decision", "cpu_profile", "CLASSES", "FEATURES", "run_probes",
            "probe_cache_path", "cpu_report_lines", "int8_weight_max", "quantized_linear_pack",
-           "quantized_linear_gemm", "quantized_linear_available"]
+           "quantized_linear_gemm", "quantized_linear_available", "int_mm_exact"]
 
 #: the CPU flags (as ``/proc/cpuinfo`` names them) that the decisions read
 FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
@@ -182,6 +182,25 @@ def _decide(p: CpuProfile, name: str) -> Decision:
     raise ValueError(f"cpu_profile().decide: unknown decision {name!r}; one of {DECISIONS}")
 
 
+@functools.lru_cache(maxsize=None)
+def int_mm_exact() -> bool:
+    """True when ``torch._int_mm`` on this CPU gives the exact int32 product: a small product
+    at the extremes of int8, checked once per process.  oneDNN's int8 kernels without VNNI
+    (an AVX2-only CPU, or ``ONEDNN_MAX_CPU_ISA=AVX2``) add pairs of u8 x s8 products in
+    saturating 16 bits and are off by up to ~10^5 there; the INT8 kernels then take an exact
+    path instead (the quantized linear engine with 7-bit weights, or float64)."""
+    g = torch.Generator().manual_seed(0)
+    qx = torch.randint(-128, 128, (32, 64), dtype=torch.int8, generator=g)
+    qw = torch.randint(-128, 128, (32, 64), dtype=torch.int8, generator=g)
+    qx[0], qw[0] = 127, 127  # pair sums of 2 * 127 * 127 (+ the u8 shift) overflow 16 bits
+    qx[1], qw[1] = -128, -128
+    try:
+        got = torch._int_mm(qx, qw.t())
+    except RuntimeError:
+        return False
+    return torch.equal(got.long(), qx.long() @ qw.long().t())
+
+
 def quantized_linear_available() -> bool:
     """True when torch has the fbgemm quantized-linear engine (x86-64 builds do)."""
     try:
@@ -232,22 +251,26 @@ def int8_weight_max(p: CpuProfile | None = None) -> int:
 
 def _decide_int8(p: CpuProfile) -> Decision:
     name = "int8_gemm"
-    if p.has(*_INT8_DOT):
+    if p.has(*_INT8_DOT) and (p.overridden or int_mm_exact()):
         have = [f for f in _INT8_DOT if f in p.features]
         return Decision(name, "int_mm", f"torch._int_mm: the CPU has {' and '.join(have)}")
     engine = quantized_linear_available()
     probes = p.probes()
     ql, im = probes.get("quantized_linear_speedup"), probes.get("int_mm_speedup")
     if ql is not None and im is not None:
-        best = max((ql, "quantized_linear"), (im, "int_mm")) if engine else (im, "int_mm")
+        exact = int_mm_exact()
+        paths = ([(ql, "quantized_linear")] if engine else []) + ([(im, "int_mm")] if exact
+                                                                    else [])
+        best = max(paths, default=(0.0, "float32"))
+        int_mm = f"torch._int_mm {im:.2f}x" + ("" if exact else ", not exact here")
         if best[0] >= MARGIN:
             what = ("the prepacked quantized linear, 7-bit weights" if best[1] ==
                     "quantized_linear" else "torch._int_mm")
             return Decision(name, best[1], f"{what}: measured {best[0]:.2f}x float32 on this "
-                                           f"CPU (torch._int_mm {im:.2f}x)")
+                                           f"CPU ({int_mm})")
         return Decision(name, "float32", f"no int8 GEMM beats float32 here (quantized linear "
-                                         f"measured {ql:.2f}x, torch._int_mm {im:.2f}x "
-                                         f"float32): W8A8 declines")
+                                         f"measured {ql:.2f}x float32, {int_mm}): W8A8 "
+                                         f"declines")
     if engine:
         return Decision(name, "quantized_linear", "no VNNI or AMX-INT8: the prepacked "
                                                   "quantized linear (fbgemm), 7-bit weights")

@@ -310,15 +310,17 @@ def quantize_weight_i8_reference(w: torch.Tensor, group: int = 1,
 
 def int_dot(qx: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
     """``qx [M, K] int8 @ qw [N, K].T`` exactly, as int32 ``[M, N]``: ``torch._int_mm`` where it
-    runs (the CPU: any shape; CUDA: M > 16, K and N multiples of 8), else a float64 matmul,
-    which is exact here (every partial sum is an integer below 2^31 < 2^53)."""
+    runs and is exact (the CPU: any shape, where its kernels do not saturate:
+    ``fxbackend.cpu.int_mm_exact``; CUDA: M > 16, K and N multiples of 8), else a float64
+    matmul, which is exact here (every partial sum is an integer below 2^31 < 2^53)."""
+    from fxbackend.cpu import int_mm_exact
     M, K = qx.shape
     N = qw.shape[0]
     if M == 0 or N == 0 or K == 0:
         return torch.zeros(M, N, dtype=torch.int32, device=qx.device)
     qx, qw = qx.contiguous(), qw.contiguous()
-    if qx.device.type == "cpu" or (qx.device.type == "cuda" and M > 16 and K % 8 == 0
-                                   and N % 8 == 0):
+    if (qx.device.type == "cpu" and int_mm_exact()) or (
+            qx.device.type == "cuda" and M > 16 and K % 8 == 0 and N % 8 == 0):
         return torch._int_mm(qx, qw.t())
     return (qx.double() @ qw.double().t()).to(torch.int32)
 
@@ -326,9 +328,11 @@ def int_dot(qx: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
 def linear_i8_reference(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None,
                         x_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                         *, x_kind: str, w_kind: str, group: int = 1, m: int = -1,
-                        lead: Sequence[int] = ()) -> torch.Tensor:
+                        lead: Sequence[int] = (), w_qmax: int = QMAX) -> torch.Tensor:
     """The meaning of ``sd.linear_i8.v1`` in plain torch (module docstring): float32
-    ``lead + (N,)``.  ``w_kind="float"`` quantizes the weight on every call."""
+    ``lead + (N,)``.  ``w_kind="float"`` quantizes the weight on every call, with codes up to
+    ``w_qmax`` (127; a CPU kernel on the quantized linear engine without VNNI uses 63:
+    ``fxbackend.cpu.int8_weight_max``)."""
     M, K, N, lead = check_linear(x, w, w_scale, x_scale, bias, x_kind=x_kind, w_kind=w_kind,
                                  group=group, m=m, lead=lead, who="linear_i8_reference")
     if x_kind == "float":
@@ -338,7 +342,7 @@ def linear_i8_reference(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor 
     else:
         qx, xs = x.reshape(M, K), x_scale.reshape(M).to(torch.float32)
     if w_kind == "float":
-        qw, ws = quantize_weight_i8_reference(w, group)
+        qw, ws = quantize_weight_i8_reference(w, group, w_qmax)
     else:
         qw, ws = w, w_scale.reshape(N).to(torch.float32)
     out = int_dot(qx, qw).to(torch.float32) * xs.unsqueeze(1) * ws.unsqueeze(0)

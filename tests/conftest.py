@@ -7,6 +7,7 @@ eager, and returns a :class:`Captured` holding every CompiledGraph built and its
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable
 
 import pytest
@@ -41,9 +42,10 @@ def _every_fast_path(request, monkeypatch):
     native 16-bit GEMMs), so the kernels and fusions they check run on every CPU class: on a
     CPU without them the same kernels are only slower.  What each CPU class decides is
     ``tests/test_cpu_profile.py``'s (marked ``cpu_profile``: it sets the profile itself, and
-    sees the host's otherwise)."""
+    sees the host's otherwise).  ``FXB_TEST_CPU_PROFILE`` names another class to pin
+    (``make test-avx2`` runs the CPU-dependent tests so, with the vectors limited to AVX2)."""
     if "cpu_profile" not in request.keywords:
-        monkeypatch.setenv("FXB_CPU_PROFILE", "amx")
+        monkeypatch.setenv("FXB_CPU_PROFILE", os.environ.get("FXB_TEST_CPU_PROFILE", "amx"))
     yield
 
 

@@ -93,6 +93,7 @@ def _detected(features=frozenset()) -> cpu.CpuProfile:
 ])
 def test_probes_decide_what_features_do_not(ratios, want, monkeypatch):
     monkeypatch.setattr(cpu, "run_probes", lambda p: ratios)
+    monkeypatch.setattr(cpu, "int_mm_exact", lambda: True)
     p = _detected()
     got = p.decide("int8_gemm"), p.decide("bfloat16")
     assert tuple(d.choice for d in got) == want
@@ -100,10 +101,35 @@ def test_probes_decide_what_features_do_not(ratios, want, monkeypatch):
 
 
 def test_features_settle_without_probing(monkeypatch, no_probe):
+    monkeypatch.setattr(cpu, "int_mm_exact", lambda: True)
     p = _detected({"avx2", "avx512_vnni", "avx512_bf16"})
     assert p.decide("int8_gemm").choice == "int_mm"
     assert p.decide("bfloat16").choice == "native"
     assert "avx512_bf16" in p.decide("bfloat16").reason
+
+
+def test_a_saturating_int_mm_is_never_chosen(monkeypatch):
+    """oneDNN's int8 kernels limited to AVX2 add u8 x s8 pairs in saturating 16 bits: however
+    fast the probe finds ``torch._int_mm``, it is not taken, even with VNNI among the flags."""
+    monkeypatch.setattr(cpu, "int_mm_exact", lambda: False)
+    monkeypatch.setattr(cpu, "run_probes", lambda p: {"int_mm_speedup": 5.0,
+                                                      "quantized_linear_speedup": 0.5})
+    for features in ({"avx2"}, {"avx2", "avx512_vnni"}):
+        d = _detected(features).decide("int8_gemm")
+        assert d.choice == "float32" and "not exact here" in d.reason
+
+
+def test_int_mm_exactness_is_what_the_kernels_compute():
+    """``int_mm_exact`` says what ``torch._int_mm`` does on this host (with the vectors this
+    process has), and ``int_dot``, the references' product, is exact either way."""
+    from fxbackend.patterns.int8 import int_dot
+    g = torch.Generator().manual_seed(1)
+    qx = torch.randint(-128, 128, (40, 96), dtype=torch.int8, generator=g)
+    qw = torch.randint(-128, 128, (24, 96), dtype=torch.int8, generator=g)
+    qx[:4], qw[:4] = 127, -128
+    want = qx.long() @ qw.long().t()
+    assert torch.equal(torch._int_mm(qx, qw.t()).long(), want) == cpu.int_mm_exact()
+    assert torch.equal(int_dot(qx, qw).long(), want)
 
 
 def test_probes_off_take_the_conservative_path(monkeypatch, no_probe):
@@ -211,8 +237,9 @@ def _w8a8(model):
 
 def test_w8a8_on_the_quantized_linear_engine(monkeypatch):
     """Under the AVX2 class every linear runs through the prepacked engine with 7-bit weight
-    codes: close to eager, close to the 8-bit ``torch._int_mm`` path, and current after the
-    weights change through ``.data`` (the weight is quantized and packed again)."""
+    codes: close to eager, and current after the weights change through ``.data`` (the weight
+    is quantized and packed again).  (The 8-bit ``torch._int_mm`` path is no reference here:
+    with the vectors limited to AVX2 its oneDNN kernels saturate, cosine 0.995.)"""
     from fxbackend.cpu_kernels import int8 as cpu_int8
     torch.manual_seed(0)
     model = _Mlp().eval()
@@ -226,19 +253,14 @@ def test_w8a8_on_the_quantized_linear_engine(monkeypatch):
         return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(),
                                                      dim=0).item()
 
-    monkeypatch.setenv("FXB_CPU_PROFILE", "amx")
-    torch._dynamo.reset()
     with torch.no_grad():
-        eight = _w8a8(model)(x)
-        assert calls == []
         monkeypatch.setenv("FXB_CPU_PROFILE", "avx2")
         torch._dynamo.reset()
         compiled = _w8a8(model)
         seven = compiled(x)
         assert len(calls) == 2  # both linears
         ref = model(x)
-        assert cosine(seven, ref) > 0.999 and cosine(eight, ref) > 0.999
-        assert (seven - ref).abs().max() < 4 * (eight - ref).abs().max() + 1e-3
+        assert cosine(seven, ref) > 0.999
         for p in model.parameters():
             p.data.mul_(-0.5)
         ref = model(x)

@@ -73,7 +73,8 @@ def test_quantized_step_equals_the_references():
                             options={"quantize": "w8a8", "convrot_group": 64})(x)
     packed = quantize_i8_convrot_reference(x, 64)
     want = linear_i8_reference(packed, lin.weight, bias=lin.bias, x_kind="packed",
-                               w_kind="float", group=64, m=7, lead=(7,))
+                               w_kind="float", group=64, m=7, lead=(7,),
+                               w_qmax=fxbackend.cpu.int8_weight_max())  # the engine's codes
     assert torch.equal(out, want)
 
 
@@ -142,7 +143,8 @@ def test_16_bit_layer_is_the_float32_step_rounded_once(dtype):
                             options={"quantize": "w8a8", "convrot_group": 64})(x)
     packed = quantize_i8_convrot_reference(x.float(), 64)
     want = linear_i8_reference(packed, lin.weight.float(), bias=lin.bias.float(),
-                               x_kind="packed", w_kind="float", group=64, m=7, lead=(7,))
+                               x_kind="packed", w_kind="float", group=64, m=7, lead=(7,),
+                               w_qmax=fxbackend.cpu.int8_weight_max())
     assert out.dtype == dtype and torch.equal(out, want.to(dtype))
 
 
@@ -156,7 +158,9 @@ def test_16_bit_model_quantizes_its_layers():
     # each 16-bit linear's step writes bf16: its cast is in the fused step (q(h) * k(h) + v(h)
     # is an int8 gated residual, the others int8_linear_cast)
     steps = [ln for ln in text.splitlines() if ln.startswith("%")]
-    assert not any("sd.linear_i8.v1" in ln or "_to_copy" in ln for ln in steps)
+    assert not any("sd.linear_i8.v1" in ln for ln in steps)
+    if fxbackend.cpu_profile().decide("bfloat16").choice == "native":  # else the attention's
+        assert not any("_to_copy" in ln for ln in steps)  # bmm computes in float32, cast back
     assert text.count("fused int8_linear_cast") == 3
     assert text.count("fused int8_gated_residual") == 1
     with torch.no_grad():
