@@ -18,7 +18,7 @@ from .lower import SYM_OPS
 from .native import call_args
 
 __all__ = ["concretize", "instantiate", "propagate", "describe_input", "meta_tensor",
-           "fake_layout_call", "FAKE_LAYOUT_OPS"]
+           "fake_layout_call", "FAKE_LAYOUT_OPS", "node_symbols", "data_dependent"]
 
 _PLAN_TIME_SCALAR_OPS = {"aten.sym_size.int", "aten.sym_stride.int", "aten.sym_numel.default",
                          "aten.sym_storage_offset.default"}
@@ -134,8 +134,48 @@ def _walk_metas(m: Any):
         yield m
 
 
-def propagate(graph: Graph, args: Sequence[Any]) -> tuple[dict, dict]:
-    """Run the graph on the meta device to get concrete shapes for these inputs."""
+def node_symbols(n: Node) -> set:
+    """The symbols of ``n``'s metadata (sizes, strides and offsets of its tensors) and of its
+    size expression (a symbolic-int input's ``expr``)."""
+    exprs = [n.annotations.get("expr")]
+    for m in _walk_metas(n.meta):
+        if isinstance(m, TensorMeta):
+            exprs.extend((*m.shape, *m.stride, m.storage_offset))
+    return {s for e in exprs for s in getattr(e, "free_symbols", ())}
+
+
+def data_dependent(graph: Graph) -> list[Node]:
+    """The steps whose result's sizes depend on tensor values, not on the inputs' sizes
+    (``nonzero``, ``masked_select``, ``unique``: torch.export's unbacked symbols ``u0``, ...):
+    the steps whose metadata holds a symbol that no input and no earlier step holds.  Planning
+    on the meta device cannot know their sizes (:func:`propagate` refuses them); a replayed
+    plan runs them between stages (:class:`fxbackend.stages.Stages`)."""
+    known: set = set()
+    steps = []
+    for n in graph.nodes:
+        syms = node_symbols(n)
+        if syms - known and not n.is_input:
+            steps.append(n)
+        known |= syms
+    return steps
+
+
+def _refuse_data_dependent(graph: Graph, n: Node) -> None:
+    """A clear error for a data-dependent step ``n`` (:func:`data_dependent`), which the meta
+    device cannot run."""
+    if n in data_dependent(graph):
+        sizes = ", ".join(m.short() for m in _walk_metas(n.meta) if isinstance(m, TensorMeta))
+        raise NotImplementedError(
+            f"%{n.id} ({n.op}) is data-dependent: the sizes of its result ({sizes}) depend on "
+            f"the values of its inputs, not on their sizes, so the graph cannot be planned "
+            f"ahead of a call (a replayed plan runs such steps between stages)")
+
+
+def propagate(graph: Graph, args: Sequence[Any],
+              given: dict | None = None) -> tuple[dict, dict]:
+    """Run the graph on the meta device to get concrete shapes for these inputs.  ``given``:
+    the concrete metadata of some steps, taken as it is instead of computed (a data-dependent
+    step's, :func:`data_dependent`, at sample sizes)."""
     vals: dict[Node, Any] = {}
     metas: dict[Node, Any] = {}
     scalars: dict[Node, Any] = {}
@@ -163,9 +203,9 @@ def propagate(graph: Graph, args: Sequence[Any]) -> tuple[dict, dict]:
                 scalars[n] = a
                 metas[n] = n.meta
             continue
-        if n.op == "constant":
-            vals[n] = meta_tensor(n.meta)
-            metas[n] = n.meta
+        if n.op == "constant" or (given and n in given):
+            metas[n] = m = n.meta if n.op == "constant" else given[n]
+            vals[n] = _map_tree(m, meta_tensor)
             continue
         if n.op == "getitem":
             parent = vals.get(n.srcs[0])
@@ -187,7 +227,11 @@ def propagate(graph: Graph, args: Sequence[Any]) -> tuple[dict, dict]:
             metas[n] = dataclasses.replace(m, device=n.meta.device)
             vals[n] = meta_tensor(m)
             continue
-        vals[n] = out = _meta_call(n, *call_args(n, val, val))
+        try:
+            vals[n] = out = _meta_call(n, *call_args(n, val, val))
+        except NotImplementedError:
+            _refuse_data_dependent(graph, n)
+            raise
         if n.is_scalar:
             scalars[n] = out
             metas[n] = n.meta

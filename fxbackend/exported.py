@@ -17,11 +17,13 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from .concrete import data_dependent
 from .executor import CompiledGraph, Plan
 from .inputs import SymbolRange, check_inputs, relaid
 from .ir import Node, ScalarMeta, TensorMeta, storage_root
 from .options import parse_options
 from .planfile import PlanParts, ReplayError, decode_plan, errors_name, read_file, save_plan
+from .stages import Stages
 
 __all__ = ["ExportedPlan", "load"]
 
@@ -44,6 +46,9 @@ class ExportedPlan:
       those names (or ``"0"``, ``"1"``, ...); returns the flat list of outputs.
     - ``plan.update_weights(state_dict, strict=True)``, ``plan.save(path)``, ``plan.report()``,
       ``plan.memory_report()``, ``plan.graph`` (the lowered node list).
+
+    A graph with data-dependent steps (``nonzero``: result sizes known per call only) runs
+    in stages (:class:`fxbackend.stages.Stages`): ``.compiled`` is then a :class:`Stages`.
 
     Weights are the plan's tensors, passed to every call.  A plan from :func:`fxbackend.export`
     or :func:`fxbackend.from_compiled` shares them with the model it came from (no copy), so
@@ -81,6 +86,9 @@ class ExportedPlan:
             if n.op == "constant" and n.annotations.get("value") is not \
                     self.weights[self.names[n]]:
                 n.annotations["value"] = self.weights[self.names[n]]
+        steps = data_dependent(self.graph)
+        if steps:  # sizes known per call only: planned and run in stages
+            self.compiled = Stages(self.graph, compiled.options, compiled.name, steps)
 
     def _call_slots(self) -> tuple[list[tuple[str, Any]], list[Node]]:
         """What each graph input gets on a call: ``("weight", name)``, ``("derived", symbol)``
@@ -140,9 +148,8 @@ class ExportedPlan:
 
     @property
     def plans(self) -> list[Plan]:
-        """The plans built so far (one per input-shape signature)."""
-        cg = self.compiled
-        return list(cg.plans.values()) + ([cg._static] if cg._static is not None else [])
+        """The plans built so far (one per input-shape signature, and stage)."""
+        return self.compiled.all_plans()
 
     def describe_inputs(self) -> list[str]:
         """One line per user input: name and metadata (symbolic sizes with their ranges)."""
@@ -226,8 +233,14 @@ class ExportedPlan:
                             error=ReplayError)
 
     def sizes_of(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict:
-        """``{symbol: int}`` for a call with ``args`` and ``kwargs``, checked as a call is."""
-        return self._check_inputs(self._bind_call(args, kwargs))[1]
+        """``{symbol: int}`` for a call with ``args`` and ``kwargs``, checked as a call is;
+        with the sizes of data-dependent results (:class:`Stages`) too, which the steps they
+        read compute, run natively."""
+        values, bind = self._check_inputs(self._bind_call(args, kwargs))
+        if isinstance(self.compiled, Stages):
+            with torch.no_grad():
+                bind = {**self.compiled.data_sizes(self._graph_args(values, bind)), **bind}
+        return bind
 
     def _bind_call(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list:
         """Flat user inputs from a call shaped like the exported one."""
@@ -347,7 +360,10 @@ class ExportedPlan:
         did."""
         head = [f"exported plan ({self.source}) on {self.device}: {len(self.user_inputs)} "
                 f"input(s), {len(self.graph.nodes)} nodes"] + \
-            ["  " + ln for ln in self.describe_inputs()] + [self.memory_report()]
+            ["  " + ln for ln in self.describe_inputs()]
+        if isinstance(self.compiled, Stages):
+            head.append(self.compiled.summary())
+        head.append(self.memory_report())
         return "\n".join(head + [p.report() for p in self.plans])
 
     def save(self, path: str | os.PathLike) -> None:

@@ -27,6 +27,7 @@ from .planfile import ReplayError
 from .planfile.codec import format_meta
 from .planfile.document import used_symbols
 from .planfile.errors import MAX_INT
+from .stages import copy_node
 
 __all__ = ["export", "from_compiled", "record_graphs", "save"]
 
@@ -458,24 +459,9 @@ def _copy_graph(graph: Graph) -> Graph:
     g = Graph()
     g._next_id = graph._next_id
     new: dict[Node, Node] = {}
-
-    def mp(v: Any) -> Any:
-        if isinstance(v, Node):
-            return new[v]
-        if isinstance(v, (list, tuple)):
-            return type(v)(mp(x) for x in v)
-        if isinstance(v, dict):
-            return {k: mp(x) for k, x in v.items()}
-        return v
-
     for n in graph.nodes:
-        c = Node(n.id, n.op, [new[x] for x in n.srcs], {k: mp(v) for k, v in n.params.items()},
-                 n.meta, view_of=new.get(n.view_of), inplace_of=new.get(n.inplace_of),
-                 is_input=n.is_input, is_weight=n.is_weight, is_output=n.is_output,
-                 target=n.target, tensor_layout=n.tensor_layout, annotations=dict(n.annotations))
-        new[n] = c
-        g.nodes.append(c)
-    g.outputs = [mp(o) for o in graph.outputs]
+        new[n] = g.append(copy_node(n, new))
+    g.outputs = [new[o] if isinstance(o, Node) else o for o in graph.outputs]
     return g
 
 

@@ -115,14 +115,14 @@ def test_bf16_is_eager_bit_for_bit(name):
             assert torch.equal(o, r)
 
 
-#: models that torch.export (non-strict) cannot export, or whose plan cannot be re-planned
-#: at load: with the reason (every other model of the zoo round-trips at batch 1 and 2)
+#: models that torch.export (non-strict) cannot export: with the reason (every other model of
+#: the zoo round-trips at batch 1 and 2; Mochi's data-dependent nonzero runs between stages of
+#: its plan)
 NO_EXPORT = {
     "hidream": "export raises '.numpy() is not supported for tensor subclasses' at batch 1 and "
                "a reshape error ('[2, -1, 32]' for 224 elements) at batch 2 (not investigated)",
     "lumina2": "lowering its exported graph raises TypeError: unhashable type: non-nested "
                "SymInt (not investigated)",
-    "mochi": "aten.nonzero has no meta kernel: the plan cannot be re-planned for new shapes",
 }
 
 

@@ -2,8 +2,9 @@
 convention (user inputs, input and output trees) against its node list.
 
 The metadata check recomputes every node's metadata on the meta device with the ops' own
-meta kernels and custom ops' ``infer_meta`` (through :func:`fxbackend.executor._propagate`),
-at the symbols' saved sample values.  All failures are :class:`ReplayError`.
+meta kernels and custom ops' ``infer_meta`` (through :func:`fxbackend.concrete.propagate`),
+at the symbols' saved sample values; a data-dependent step (``nonzero``) gets its file metadata
+at those values.  All failures are :class:`ReplayError`.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..concrete import data_dependent, propagate
 from ..inputs import substitute
 from ..ir import Graph, Node, ScalarMeta, TensorMeta
 from .codec import Reader, format_meta
@@ -26,13 +28,8 @@ def check_metas(graph: Graph, hints: dict) -> None:
     args = []
     for n in graph.inputs:
         if isinstance(n.meta, TensorMeta):
-            shape = [substitute(s, hints) for s in n.meta.shape]
-            stride = [substitute(s, hints) for s in n.meta.stride]
-            offset = substitute(n.meta.storage_offset, hints)
-            if not all(type(v) is int for v in (*shape, *stride, offset)):
-                raise ReplayError(f"input %{n.id}: sizes {n.meta.short()} with a symbol that "
-                                  f"has no sample value")
-            args.append(torch.empty_strided(shape, stride, dtype=n.meta.dtype, device="meta"))
+            m = _at(n.meta, hints, f"input %{n.id}")
+            args.append(torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta"))
         else:
             expr = n.annotations.get("expr")
             value = substitute(expr, hints) if expr is not None else None
@@ -40,9 +37,11 @@ def check_metas(graph: Graph, hints: dict) -> None:
                 raise ReplayError(f"input %{n.id}: a scalar input needs an 'expr' whose symbols "
                                   f"have sample values")
             args.append(value)
-    from ..executor import _propagate  # private, to get a public name: imported where used
+    # a data-dependent step's sizes are known per call only: its file metadata at the hints,
+    # for the steps after it (its sources are checked as every step's)
+    given = {n: _at(n.meta, hints, f"node %{n.id} ({n.op})") for n in data_dependent(graph)}
     try:
-        metas, _ = _propagate(graph, args)
+        metas, _ = propagate(graph, args, given)
     except ReplayError:
         raise
     except Exception as e:  # the ops refuse the file's sources or params
@@ -57,6 +56,20 @@ def check_metas(graph: Graph, hints: dict) -> None:
         if not same_meta(want, got, hints, offsets=n.view_of is not None):
             raise ReplayError(f"node %{n.id} ({n.op}): the file says "
                               f"{format_meta(want)} but the op computes {format_meta(got)}")
+
+
+def _at(m: Any, hints: dict, where: str) -> Any:
+    """Metadata ``m`` with the symbols at their sample values ``hints`` (``where`` names its
+    node in the error for a symbol without one)."""
+    if isinstance(m, tuple):
+        return tuple(_at(x, hints, where) for x in m)
+    if not isinstance(m, TensorMeta):
+        return m
+    shape, stride = ([substitute(s, hints) for s in dims] for dims in (m.shape, m.stride))
+    offset = substitute(m.storage_offset, hints)
+    if not all(type(v) is int for v in (*shape, *stride, offset)):
+        raise ReplayError(f"{where}: sizes {m.short()} with a symbol that has no sample value")
+    return TensorMeta(tuple(shape), tuple(stride), m.dtype, m.device, offset)
 
 
 def same_meta(want: Any, got: Any, hints: dict, offsets: bool = True) -> bool:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..concrete import node_symbols
 from ..inputs import SymbolRange, is_dense
 from ..ir import Graph, Node, TensorMeta
 from .checks import check_convention, check_metas
@@ -235,14 +236,8 @@ def used_symbols(graph: Graph) -> dict[Any, Node]:
     strides, offsets) and scalar nodes' expressions: the symbols a plan of ``graph`` needs."""
     used: dict[Any, Node] = {}
     for n in graph.nodes:
-        metas = n.meta if isinstance(n.meta, tuple) else (n.meta,)
-        exprs = [n.annotations.get("expr")]
-        for m in metas:
-            if isinstance(m, TensorMeta):
-                exprs.extend((*m.shape, *m.stride, m.storage_offset))
-        for e in exprs:
-            for s in getattr(e, "free_symbols", ()):
-                used.setdefault(s, n)
+        for s in sorted(node_symbols(n), key=str):
+            used.setdefault(s, n)
     return used
 
 
