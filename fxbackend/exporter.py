@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 import os
 import re
+import traceback
 import warnings
 import weakref
 from typing import Any, Iterator, Mapping
@@ -105,10 +106,52 @@ def export(model: torch.nn.Module, args: Any = (), kwargs: dict | None = None,
     with torch.no_grad(), warnings.catch_warnings():
         # torch's own deprecation notice about its pytree internals, once per export
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-        ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes,
-                                 strict=False)
-        ep = ep.run_decompositions(_decompositions())
+        try:
+            ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes,
+                                     strict=False)
+            ep = ep.run_decompositions(_decompositions())
+        except Exception as e:  # the model's line and why, not torch's internals alone
+            raise _export_error(model, e) from e
     return _from_exported_program(_without_effect_tokens(ep), args, kwargs, opts)
+
+
+#: what torch.export's errors on Python code that reads tensor data mean: (text in the error or
+#: its type's name, the cause); one row per way a model's code reads data torch.export traces
+_TRACE_ERRORS = [
+    (".numpy() is not supported",
+     "the model converts a tensor to numpy (.numpy()), reading its values in Python: what it "
+     "does next depends on tensor data, which one traced graph cannot hold"),
+    ("unhashable type: non-nested SymInt",
+     "the model hashes a traced integer (a set member or dict key): a value read from a tensor "
+     "(.tolist(), .item()) or a dynamic size, which torch.export traces symbolically and "
+     "cannot hash"),
+    ("GuardOnDataDependentSymNode",
+     "the model branches in Python on a value read from a tensor (data-dependent control "
+     "flow), which one traced graph cannot hold"),
+    ("data-dependent",
+     "the model uses a value read from a tensor where torch.export needs a known integer "
+     "(data-dependent control flow or sizes)"),
+]
+
+
+def _export_error(model: Any, e: Exception) -> ReplayError:
+    """A ReplayError for ``torch.export``'s failure ``e`` on ``model``: the line of the model's
+    code that raised it (the innermost frame outside torch and fxbackend), the cause where
+    :data:`_TRACE_ERRORS` knows it (its type's name is in ``text``), and torch's own message."""
+    skip = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (torch.__file__, __file__))
+    where = None
+    for fs in reversed(traceback.extract_tb(e.__traceback__)):
+        if not fs.filename.startswith(skip) and not fs.filename.startswith("<"):
+            code = (fs.line or "").strip()
+            name = fs.filename.split("site-packages" + os.sep)[-1]
+            where = f"{name}:{fs.lineno} in {fs.name}: {code}"
+            break
+    text = f"{type(e).__name__}: {e}"
+    why = next((cause for key, cause in _TRACE_ERRORS if key in text), None)
+    first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+    return ReplayError(f"export: torch.export cannot trace {type(model).__name__}"
+                       + (f": {why}" if why else "")
+                       + (f"; at {where}" if where else "") + f" (torch.export: {first})")
 
 
 def _without_effect_tokens(ep: Any) -> Any:

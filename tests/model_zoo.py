@@ -210,7 +210,9 @@ ZOO = {
         num_attention_heads=2, attention_head_dim=8, in_channels=4, patch_size=2, sample_size=8,
         hidden_size=16, num_layers=2, mlp_ratio=4.0, learn_sigma=True, cross_attention_dim=32,
         cross_attention_dim_t5=32, pooled_projection_dim=16, text_len=7, text_len_t5=7)),
-    "hidream": dict(cls="HiDreamImageTransformer2DModel", inputs=_inputs_hidream, config=dict(
+    # the Llama 3 states are [layers, batch, tokens, features]
+    "hidream": dict(cls="HiDreamImageTransformer2DModel", inputs=_inputs_hidream,
+                    batch_dims={"encoder_hidden_states_llama3": 1}, config=dict(
         patch_size=2, in_channels=4, out_channels=4, num_layers=1, num_single_layers=1,
         attention_head_dim=8, num_attention_heads=4, caption_channels=[8, 4], text_emb_dim=8,
         num_routed_experts=4, num_activated_experts=2, axes_dims_rope=(4, 2, 2),
@@ -316,18 +318,19 @@ def _cast(x, dtype):
     return x
 
 
-def _batched(v, batch):
-    """``v`` with every tensor whose leading dim is 1 (the batch) made ``batch`` long: the
-    first row as it was, the others its values scaled by 0.9 per row (timesteps stay in range,
-    latents and embeddings differ per row); integer tensors repeated."""
+def _batched(v, batch, dims=None, dim=0):
+    """``v`` with every tensor whose batch dim (``dim``; ``dims[key]`` for the input ``key``) is
+    1 made ``batch`` long: the first row as it was, the others its values scaled by 0.9 per
+    row (timesteps stay in range, latents and embeddings differ per row); integer tensors
+    repeated."""
     if isinstance(v, dict):
-        return {k: _batched(x, batch) for k, x in v.items()}
+        return {k: _batched(x, batch, dim=(dims or {}).get(k, 0)) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return type(v)(_batched(x, batch) for x in v)
-    if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == 1 and batch != 1:
+        return type(v)(_batched(x, batch, dim=dim) for x in v)
+    if isinstance(v, torch.Tensor) and v.dim() > dim and v.shape[dim] == 1 and batch != 1:
         if not v.is_floating_point():
-            return v.repeat(batch, *([1] * (v.dim() - 1)))
-        return torch.cat([v * 0.9 ** i for i in range(batch)])
+            return v.repeat_interleave(batch, dim)
+        return torch.cat([v * 0.9 ** i for i in range(batch)], dim)
     return v
 
 
@@ -355,4 +358,4 @@ def build(name, dtype=torch.float32, seed=0, batch=1):
     kw = e["inputs"](randn, full)
     if e.get("call") is None and name not in ("uvit2d",):
         kw["return_dict"] = False
-    return model, _cast(_batched(kw, batch), dtype)
+    return model, _cast(_batched(kw, batch, e.get("batch_dims")), dtype)

@@ -5,17 +5,19 @@
 - bf16: bit for bit eager's, except four models noted at ``BF16_NOT_EXACT``.
 
 Graph breaks are the models' (HiDream's expert routing, Mochi's ``nonzero``, Lumina 2's
-``.item()``): every piece between them runs through fxbackend.
+``.tolist()``): every piece between them runs through fxbackend.
 """
 from __future__ import annotations
 
 import pathlib
+import re
 import sys
 
 import pytest
 import torch
 
 import fxbackend
+from fxbackend.replay import ReplayError
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from ext_util import rel_err  # noqa: E402
@@ -115,20 +117,26 @@ def test_bf16_is_eager_bit_for_bit(name):
             assert torch.equal(o, r)
 
 
-#: models that torch.export (non-strict) cannot export: with the reason (every other model of
-#: the zoo round-trips at batch 1 and 2; Mochi's data-dependent nonzero runs between stages of
-#: its plan)
+#: models that torch.export (non-strict) cannot export, with the cause: code of the model that
+#: reads tensor values in Python, which one traced graph cannot hold; the export raises a
+#: ReplayError naming the model's line (every other model of the zoo round-trips at batch 1
+#: and 2; Mochi's data-dependent nonzero runs between stages of its plan)
 NO_EXPORT = {
-    "hidream": "export raises '.numpy() is not supported for tensor subclasses' at batch 1 and "
-               "a reshape error ('[2, -1, 32]' for 224 elements) at batch 2 (not investigated)",
-    "lumina2": "lowering its exported graph raises TypeError: unhashable type: non-nested "
-               "SymInt (not investigated)",
+    "hidream": "its MoE feed-forward in eval mode (MOEFeedForwardSwiGLU.moe_infer) reads the "
+               "routed expert indices in Python (bincount().cpu().numpy(), then a loop over "
+               "the experts by token count): data-dependent Python control flow, at batch 1 "
+               "and 2",
+    "lumina2": "its RoPE embedder reads the caption lengths from the mask "
+               "(attention_mask.sum(dim=1).tolist()) and forward hashes the sequence lengths "
+               "made from them (len(set(seq_lengths))): torch.export traces those integers "
+               "symbolically and cannot hash them",
 }
 
 
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=NO_EXPORT[n]))
+    pytest.param(n, marks=pytest.mark.xfail(strict=True, raises=ReplayError,
+                                            reason=NO_EXPORT[n]))
     if n in NO_EXPORT else n for n in sorted(ZOO)])
 def test_saved_plan_loads_and_replays(name, batch, tmp_path):
     """Every zoo model exported (default options, no dynamic_shapes), saved, loaded and
@@ -145,3 +153,25 @@ def test_saved_plan_loads_and_replays(name, batch, tmp_path):
     assert len(back) == len(got) == len(ref)
     for r, g, b in zip(ref, got, back):
         assert torch.equal(b, g) and rel_err(b, r) <= 1e-5
+
+
+#: per model of NO_EXPORT: the model's line its export error names, and the cause it gives
+EXPORT_ERRORS = {
+    "hidream": (r"transformer_hidream_image\.py:\d+ in moe_infer: tokens_per_expert = "
+                r"flat_expert_indices\.bincount\(\)\.cpu\(\)\.numpy\(\)",
+                r"converts a tensor to numpy"),
+    "lumina2": (r"transformer_lumina2\.py:\d+ in forward: use_mask = len\(set\(seq_lengths\)\)",
+                r"hashes a traced integer"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NO_EXPORT))
+def test_export_error_names_the_models_line_and_the_cause(name):
+    """A model torch.export cannot trace gets a ReplayError naming the line of the model's code
+    and why (not torch's internal error alone, which says neither)."""
+    model, kw = build(name, torch.float32)
+    line, cause = EXPORT_ERRORS[name]
+    with pytest.raises(ReplayError, match=rf"cannot trace {type(model).__name__}: .*{cause}") \
+            as info:
+        fxbackend.export(model, (), kw)
+    assert re.search(line, str(info.value)), str(info.value)

@@ -342,6 +342,34 @@ def test_save_leaves_out_symbols_no_node_uses():
         encode_plan(plan.parts(), plan.device)
 
 
+class _ReadsNumpy(torch.nn.Module):
+    def forward(self, x):
+        counts = (x > 0).sum(0).numpy()
+        return x * float(counts.max())
+
+
+class _HashesLengths(torch.nn.Module):
+    def forward(self, x, mask):
+        lengths = mask.sum(1).tolist()
+        return x * len(set(lengths))
+
+
+@pytest.mark.parametrize("model, cause, line", [
+    (_ReadsNumpy(), "converts a tensor to numpy", r"counts = \(x > 0\)\.sum\(0\)\.numpy\(\)"),
+    (_HashesLengths(), "hashes a traced integer", r"return x \* len\(set\(lengths\)\)")],
+    ids=["numpy", "hash"])
+def test_export_error_names_the_models_line_and_the_cause(model, cause, line):
+    """torch.export's errors on Python code reading tensor data become a ReplayError that says
+    why and names the line of the model's code (torch's own message says neither)."""
+    x, mask = torch.randn(2, 3), torch.ones(2, 3, dtype=torch.bool)
+    args = (x,) if isinstance(model, _ReadsNumpy) else (x, mask)
+    with pytest.raises(ReplayError, match=rf"export: torch\.export cannot trace "
+                                          rf"{type(model).__name__}: .*{cause}.*; at "
+                                          rf".*test_replay\.py:\d+ in forward: {line} "
+                                          rf"\(torch\.export: \w+: "):
+        fxbackend.export(model.eval(), args)
+
+
 # -- calls: layouts, numbers, inputs written ------------------------------------------------------
 
 def test_export_with_an_unbounded_range():
