@@ -30,6 +30,7 @@ from .codegen import ExecContext, generate
 from .concrete import concretize, describe_input, instantiate
 from .concrete import propagate as _propagate  # noqa: F401  (the replayed plans' re-check)
 from .cudagraphs import GraphRunner, capture_blocker
+from .inputs import check_inputs
 from .ir import Graph, Node, TensorMeta
 from .options import Options
 from .planning import FAST_OUT as _FAST_OUT  # noqa: F401  (tests check every entry)
@@ -99,6 +100,8 @@ class Plan:
         #: options.profile: seconds spent in each step (by node index), over profiled_calls
         self.step_seconds: list[float] = []
         self.profiled_calls = 0
+        #: the inputs' names in error messages (made on the first checked call)
+        self._labels: list[str] | None = None
         run_plan_passes(st)
         self.arenas = {dev: torch.empty(nbytes, dtype=torch.uint8, device=dev)
                        for dev, nbytes in st.memory.arena_bytes.items()}
@@ -225,29 +228,15 @@ class Plan:
         return profile_report(self, top)
 
     def __call__(self, *args: Any) -> list:
-        """Validate ``args`` against this plan's signature, then execute."""
+        """Validate ``args`` against this plan's signature, then execute: the count, then
+        ``inputs.check_inputs`` (the validator of ``concretize`` and of replayed plans) with
+        strides checked and the plan-time numbers fixed; a ValueError names the input."""
         inputs = self.graph.inputs
         if len(args) != len(inputs):
             raise ValueError(f"plan {self.name} expects {len(inputs)} inputs, got {len(args)}")
-        for i, (n, a) in enumerate(zip(inputs, args)):
-            m = self.metas[n]
-            what = describe_input(self.graph, i, n)
-            if isinstance(m, TensorMeta):
-                if not isinstance(a, torch.Tensor):
-                    raise ValueError(f"{what}: expected a tensor {m.short()}, got "
-                                     f"{type(a).__name__}")
-                if a.dtype != m.dtype:
-                    raise ValueError(f"{what}: expected dtype {m.dtype}, got {a.dtype}")
-                if tuple(a.shape) != tuple(m.shape):
-                    raise ValueError(f"{what}: expected shape {tuple(m.shape)}, got "
-                                     f"{tuple(a.shape)}")
-                if a.device.type != m.device.type:
-                    raise ValueError(f"{what}: expected device {m.device}, got {a.device}")
-                if any(sz > 1 and st != want for sz, st, want in zip(a.shape, a.stride(), m.stride)):
-                    raise ValueError(f"{what}: expected strides {tuple(m.stride)}, got "
-                                     f"{a.stride()}")
-            elif n in self.scalars and a != self.scalars[n]:
-                raise ValueError(f"{what}: this plan was built for {self.scalars[n]}, got {a}")
+        if self._labels is None:
+            self._labels = [describe_input(self.graph, i, n) for i, n in enumerate(inputs)]
+        check_inputs(inputs, args, self._labels, strides="check", fixed=self.scalars)
         return self.run(list(args))
 
 

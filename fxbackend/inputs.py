@@ -94,21 +94,24 @@ def check_inputs(nodes: Sequence[Node], values: Sequence[Any], labels: Sequence[
         raise error(f"expected {len(nodes)} inputs, got {len(values)}")
     check = _Check(ranges or {}, error)
     values = list(values)
-    metas = metas if metas is not None else {n: n.meta for n in nodes}
+    # checked last, once every symbol is bound: the tensors whose strides are not the
+    # metadata's as they stand (a plan's call pays only this comparison)
+    laid_out = []
     for i, (n, what) in enumerate(zip(nodes, labels)):
-        m = metas[n]
+        m = n.meta if metas is None else metas[n]
         if isinstance(m, TensorMeta):
             check.tensor(what, m, values[i])
+            if strides != "ignore" and values[i].stride() != m.stride:
+                laid_out.append((i, what, m))
         elif isinstance(m, ScalarMeta):
             values[i] = check.scalar(what, m, values[i], n.annotations.get("expr"),
                                      scalar_tensors)
             if fixed is not None and n in fixed and values[i] != fixed[n]:
                 raise error(f"{what}: this plan was built for {fixed[n]}, got {values[i]}")
-    check.pending_sizes()
-    if strides != "ignore":
-        for i, (n, what) in enumerate(zip(nodes, labels)):
-            if isinstance(metas[n], TensorMeta):
-                values[i] = check.layout(what, metas[n], values[i], strides == "relayout")
+    if check.pending:
+        check.pending_sizes()
+    for i, what, m in laid_out:
+        values[i] = check.layout(what, m, values[i], strides == "relayout")
     return values, check.bind
 
 
@@ -130,14 +133,17 @@ class _Check:
             raise err(f"{what}: expected dtype {m.dtype}, got {v.dtype}")
         if v.device.type != m.device.type:
             raise err(f"{what}: expected a tensor on {m.device}, got {v.device}")
-        if v.dim() != len(m.shape):
+        shape = tuple(v.shape)
+        if shape == m.shape:
+            return  # every size fixed and equal (a symbolic size never equals an int)
+        if len(shape) != len(m.shape):
             raise err(f"{what}: expected {len(m.shape)} dims ({m.short()}), got shape "
-                      f"{tuple(v.shape)}")
-        for d, (want, got) in enumerate(zip(m.shape, v.shape)):
+                      f"{shape}")
+        for d, (want, got) in enumerate(zip(m.shape, shape)):
             if type(want) is int:
                 if want != got:
                     raise err(f"{what}: dim {d} is {got}, expected {want} (expected shape "
-                              f"{m.short()}, got {tuple(v.shape)})")
+                              f"{m.short()}, got {shape})")
             elif getattr(want, "is_Symbol", False):
                 self.symbol(f"{what}: dim {d}", want, int(got))
             else:

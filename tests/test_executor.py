@@ -90,6 +90,24 @@ def test_direct_call_rejects_bad_inputs(no_grad, target, case):
     assert_same(call(_X, _Y), [_X * _Y + 1])  # still usable
 
 
+@pytest.mark.parametrize("case", sorted(set(_BAD) - {"count"}) + ["device", "strides"])
+def test_plan_and_a_fresh_graph_reject_alike(no_grad, case):
+    # one validator (inputs.check_inputs): a plan's call and a graph's first call (concretize)
+    # give the same message; only the count is worded by each
+    bad = {"device": (_X.to("meta"), _Y), "strides": (torch.randn(4, 3).t(), _Y)}
+    args = bad[case] if case in bad else _BAD[case][0]
+    c = capture(lambda x, y: x * y + 1, _X, _Y)
+    plan = c.graph.plan_for([_X, _Y])
+    with pytest.raises(ValueError) as by_plan:
+        plan(*args)
+    if case == "strides":  # a graph's first call plans for any layout
+        assert str(by_plan.value) == "input 0 (arg0_1): expected strides (4, 1), got (1, 3)"
+        return
+    with pytest.raises(ValueError) as by_graph:
+        fxbackend.CompiledGraph(c.graph.graph, c.graph.options, "fresh")(*args)
+    assert str(by_plan.value) == str(by_graph.value)
+
+
 def test_direct_call_names_the_placeholder(no_grad):
     c = capture(lambda x, y: x * y, _X, _Y)
     name = c.graph.graph.inputs[1].annotations["name"]
