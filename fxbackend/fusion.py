@@ -203,6 +203,9 @@ def replace_uses_from(graph: Graph, old: Node, new: Node, from_index: int) -> No
     ``new`` where they read ``old`` (sources, params, the view/in-place links).  The one
     implementation: ``rewrite.replace_uses`` is this from just after ``new``, moving the
     output flag too."""
+    def has(v) -> bool:
+        return v is old or (isinstance(v, (list, tuple)) and any(has(x) for x in v))
+
     def sub(v):
         if v is old:
             return new
@@ -212,14 +215,37 @@ def replace_uses_from(graph: Graph, old: Node, new: Node, from_index: int) -> No
             return tuple(sub(x) for x in v)
         return v
     for x in graph.nodes[from_index:]:
-        x.srcs = [new if s is old else s for s in x.srcs]
-        for k, v in list(x.params.items()):
-            x.params[k] = sub(v)
+        if any(s is old for s in x.srcs):
+            x.srcs = [new if s is old else s for s in x.srcs]
+        for k, v in x.params.items():
+            if has(v):  # a param is rebuilt only where it holds old
+                x.params[k] = sub(v)
         if x.view_of is old:
             x.view_of = new
         if x.inplace_of is old:
             x.inplace_of = new
     graph.outputs = [new if o is old else o for o in graph.outputs]
+
+
+def _update_users(users: dict, nodes: list, fused: Node) -> None:
+    """``users`` (``graph.users()``) after ``nodes`` became ``fused``, whose sources are the
+    values the nodes read from outside and whose readers are the last node's: the same map as
+    recomputing it, without a pass over the graph per fusion."""
+    inside = set(nodes)
+    ext = set(node_deps(fused))
+    for d in {d for x in nodes for d in node_deps(x) if d not in inside}:
+        old, new, placed = users.get(d, []), [], False
+        for u in old:  # graph order: the nodes were consecutive, fused takes their place
+            if u not in inside:
+                new.append(u)
+            elif d in ext and not placed:
+                new.append(fused)
+                placed = True
+        users[d] = new
+    readers = users.get(nodes[-1], [])
+    for x in nodes:
+        users.pop(x, None)
+    users[fused] = [u for u in readers if u not in inside]
 
 
 def _match_result(rule: Any, result: Any) -> tuple[int, str | None]:
@@ -278,7 +304,7 @@ def apply_fusions(graph: Graph, device_of, report: FusionReport) -> Graph:
                 fused.annotations["rule"] = rule
                 graph.nodes[i:i + n] = [fused]
                 replace_uses_from(graph, last, fused, i + 1)
-                users = graph.users()
+                _update_users(users, nodes, fused)
                 report.fired.append((rule.name, ids))
                 claimed = 1
                 break

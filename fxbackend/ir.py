@@ -16,6 +16,7 @@ Contracts:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -315,6 +316,7 @@ def _is_contiguous(shape: tuple, stride: tuple) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
