@@ -81,7 +81,7 @@ from fxbackend.cpu import (int8_weight_max, int_mm_exact, quantized_linear_gemm,
                            quantized_linear_pack)
 from fxbackend.patterns.int8 import (FLOATS, QMAX, REGULAR_HADAMARD_GROUPS, Int8Device,
                                      LinearKernel, QuantizeKernel, check_linear, hadamard_stages,
-                                     linear_node_why_not, quantize_direct,
+                                     int_dot, linear_node_why_not, quantize_direct,
                                      quantize_weight_i8_reference, run_linear, scales_why_not)
 
 from . import _numba
@@ -483,8 +483,8 @@ def _gemm(qx: torch.Tensor, qw: torch.Tensor, acc: torch.Tensor) -> None:
             return
     if int_mm_exact():
         torch._int_mm(qx, qw.t(), out=acc)
-    else:  # saturating int8 kernels (no VNNI): exact in float64, slowly
-        acc.copy_(torch.mm(qx.double(), qw.double().t()))
+    else:  # saturating int8 kernels (no VNNI): the references' exact product, slowly
+        acc.copy_(int_dot(qx, qw))
 
 
 def _quantize_weight(w: torch.Tensor, group: int, w_i8: torch.Tensor,

@@ -119,6 +119,7 @@ import torch
 import fxbackend
 from fxbackend import TensorMeta
 from fxbackend.weights import cell as derived_cell, weight_key
+from fxbackend.cpu import int_mm_exact
 
 __all__ = ["REGULAR_HADAMARD_GROUPS", "MAX_K", "QMAX", "X_KINDS", "W_KINDS", "hadamard",
            "hadamard_stages", "rotate_reference", "quantize_rows_reference", "packed_nbytes",
@@ -313,7 +314,6 @@ def int_dot(qx: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
     runs and is exact (the CPU: any shape, where its kernels do not saturate:
     ``fxbackend.cpu.int_mm_exact``; CUDA: M > 16, K and N multiples of 8), else a float64
     matmul, which is exact here (every partial sum is an integer below 2^31 < 2^53)."""
-    from fxbackend.cpu import int_mm_exact
     M, K = qx.shape
     N = qw.shape[0]
     if M == 0 or N == 0 or K == 0:

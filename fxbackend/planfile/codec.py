@@ -91,20 +91,19 @@ class Reader:
             raise self.fail(where, f"integer {j} out of range [{lo}, {hi}]")
         return j
 
-    def str_(self, j: Any, where: str) -> str:
-        if not isinstance(j, str):
-            raise self.fail(where, f"expected a string, got {short(j)}")
+    def _typed(self, j: Any, where: str, kind: type, name: str) -> Any:
+        if not isinstance(j, kind):
+            raise self.fail(where, f"expected {name}, got {short(j)}")
         return j
+
+    def str_(self, j: Any, where: str) -> str:
+        return self._typed(j, where, str, "a string")
 
     def list_(self, j: Any, where: str) -> list:
-        if not isinstance(j, list):
-            raise self.fail(where, f"expected a list, got {short(j)}")
-        return j
+        return self._typed(j, where, list, "a list")
 
     def dict_(self, j: Any, where: str) -> dict:
-        if not isinstance(j, dict):
-            raise self.fail(where, f"expected an object, got {short(j)}")
-        return j
+        return self._typed(j, where, dict, "an object")
 
     def device_(self, j: Any, where: str) -> torch.device:
         s = self.str_(j, where)
