@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -453,11 +454,47 @@ def compile_kernels(st: PlanState) -> None:
             fn = getattr(owner, "compile", None)
             if callable(fn):
                 jobs.append((fn, n))
-    if len(jobs) == 1:
-        jobs[0][0](jobs[0][1])
-    elif jobs:
-        from .services import cpu_parallel
-        cpu_parallel(lambda i: jobs[i][0](jobs[i][1]), len(jobs))
+    run_on_passing_threads([lambda fn=fn, n=n: fn(n) for fn, n in jobs])
+
+
+def run_on_passing_threads(jobs: list[Callable[[], Any]]) -> None:
+    """Run the ``jobs`` on up to ``torch.get_num_threads()`` threads that exit when they are
+    done; the first error propagates once all have stopped (later jobs are not started).
+
+    Not on a kept pool: a compile job may run a kernel (numba compiles by calling it), and an
+    OpenMP runtime keeps a team of workers for every thread that ever ran a parallel region.
+    With more workers than cores, libgomp stops spinning between regions, and every later
+    parallel launch of the process (our kernels and torch's alike) waits for its workers to
+    wake: a step of a few microseconds took 0.1-0.3 ms.  A thread that exits takes its teams
+    with it."""
+    if len(jobs) <= 1:
+        for job in jobs:
+            job()
+        return
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    pending = iter(jobs)
+
+    def work() -> None:
+        while True:
+            with lock:
+                job = None if errors else next(pending, None)
+            if job is None:
+                return
+            try:
+                job()
+            except BaseException as e:  # the first error stops the others' next jobs
+                with lock:
+                    errors.append(e)
+
+    threads = [threading.Thread(target=work, name=f"fxbackend-compile-{i}", daemon=True)
+               for i in range(min(len(jobs), max(1, torch.get_num_threads())))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def prepare(st: PlanState) -> None:

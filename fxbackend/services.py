@@ -88,6 +88,10 @@ def cpu_parallel(fn: Callable[[int], Any], n_tasks: int) -> list:
 
     At most ``torch.get_num_threads()`` tasks run at once.  The first error (or cancellation of
     the running plan, raised as :class:`Cancelled`) stops tasks not yet started and propagates.
+    The pool's threads are kept: a task that launches an OpenMP-parallel kernel (torch's or
+    numba's) leaves an OpenMP team on its thread, and once teams outnumber the cores every
+    parallel launch of the process pays for waking its workers: launch such kernels from the
+    calling thread instead.
     """
     if n_tasks < 0:
         raise ValueError(f"cpu_parallel: n_tasks must be >= 0, got {n_tasks}")

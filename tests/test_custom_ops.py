@@ -425,6 +425,51 @@ def test_compile_runs_once_per_node_at_plan_build_not_per_call(reg):
     assert sorted(compiled_nodes) == sorted(ids * 2)
 
 
+def _chain(op: str, alphas) -> object:
+    """A graph of one ``op`` node per alpha, each reading the one before."""
+    g, (x,) = graph_of((4, 3))
+    y = x
+    for alpha in alphas:
+        y = fxbackend.op_create(g, op, [y], {"alpha": alpha})
+    set_outputs(g, y)
+    return g
+
+
+def test_compile_threads_do_not_outlive_the_plan_build(reg):
+    """Compile jobs run on threads that exit with the pass: a kept pool thread that once ran a
+    kernel keeps an OpenMP team, and with more OpenMP workers than cores every later parallel
+    launch of the process waits for its workers to wake (``planning.run_on_passing_threads``)."""
+    ran: list = []
+
+    class Compiled(Scale):
+        name = "test.co_compile_threads.v1"
+
+        def compile(self, node):
+            ran.append(threading.current_thread())
+
+    reg.op(Compiled)
+    g = _chain(Compiled.name, (2.0, 3.0, 4.0))
+    t = torch.randn(4, 3)
+    assert torch.equal(compiled(g)(t)[0], t * 2 * 3 * 4)
+    assert len(ran) == 3
+    assert all(th is not threading.main_thread() for th in ran) or torch.get_num_threads() == 1
+    assert not any(th.is_alive() for th in ran), [th.name for th in ran if th.is_alive()]
+
+
+def test_a_failing_compile_job_fails_the_plan_build(reg):
+    class Failing(Scale):
+        name = "test.co_compile_fails.v1"
+
+        def compile(self, node):
+            if node.params["alpha"] == 3.0:
+                raise RuntimeError(f"cannot compile %{node.id}")
+
+    reg.op(Failing)
+    g = _chain(Failing.name, (2.0, 3.0, 4.0))
+    with pytest.raises(RuntimeError, match=r"cannot compile %\d+"):
+        compiled(g)(torch.randn(4, 3))
+
+
 def test_one_op_instance_is_shared_by_every_node(reg):
     selves = set()
 
