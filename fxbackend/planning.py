@@ -99,6 +99,8 @@ class PlanState:
     bound: set = dataclasses.field(default_factory=set)
     #: native steps computed from weights alone: ``{step: [weights]}`` (``classify_steps``)
     cached: dict = dataclasses.field(default_factory=dict)
+    #: such steps left per call, cheaper to redo than to check: ``{step: weights' bytes}``
+    recomputed: dict = dataclasses.field(default_factory=dict)
     #: ``(node id, index)`` keys that need no planned storage (``classify_steps``)
     unread: set = dataclasses.field(default_factory=set)
     concat: ConcatPlan = dataclasses.field(default_factory=ConcatPlan)  # plan_concat
@@ -351,7 +353,7 @@ def classify_steps(st: PlanState) -> None:
     weights alone and kept between calls (``cached``), and which results need no storage
     (``unread``)."""
     st.bound = _bound_results(st)
-    st.cached = _weight_derived(st)
+    st.cached, st.recomputed = _weight_derived(st)
     st.bound -= set(st.cached)
     st.unread = _unread_outputs(st) | {k for n in (*st.bound, *st.cached) for k in keys_of(n)}
 
@@ -387,7 +389,7 @@ def _bound_results(st: PlanState) -> set:
     return bound
 
 
-def _weight_derived(st: PlanState) -> dict:
+def _weight_derived(st: PlanState) -> tuple[dict, dict]:
     """Native steps whose value depends on weights alone (weight inputs, constants and
     plan-time numbers, through views and other such steps): ``{step: [weight inputs]}``.
 
@@ -396,15 +398,17 @@ def _weight_derived(st: PlanState) -> dict:
     model-wide cells of ``fxbackend.weights``, checked by fingerprint every call; see
     ARCHITECTURE.md, Plans).  Left per call: seeded-random ops, in-place and multi-output
     steps, results that are returned or written in place, steps whose op does not return the
-    planned layout, and every step under ``cuda_graphs`` (a replay could not skip or redo
-    it)."""
+    planned layout, every step under ``cuda_graphs`` (a replay could not skip or redo it),
+    and copy-like steps cheaper to redo than to check (:func:`_cheaper_to_redo`; returned as
+    the second dict, ``{step: bytes of its weights}``)."""
     if st.options.cuda_graphs:
-        return {}
+        return {}, {}
     g = st.graph
     written = {storage_root(n) for n in g.nodes if n.inplace_of is not None}
     returned = {storage_root(o) for o in g.outputs if isinstance(o, Node)}
     roots: dict[Node, frozenset] = {}
     cached: dict[Node, list] = {}
+    redo: dict[Node, int] = {}
     for n in g.nodes:
         if n.is_input:
             if n.is_weight and n not in st.scalars and n not in written:
@@ -429,9 +433,30 @@ def _weight_derived(st: PlanState) -> dict:
                 storage_root(n) in returned or storage_root(n) in written or \
                 not meta_result_matches(st, n):
             continue
+        if _cheaper_to_redo(n, mine):
+            redo[n] = sum(w.meta.span_bytes for w in mine)
+            continue
         roots[n] = mine
         cached[n] = sorted(mine, key=lambda w: g.inputs.index(w))
-    return cached
+    return cached, redo
+
+
+#: ops whose work is one pass over their result (copies, casts, concatenations, pads)
+_COPY_LIKE = frozenset({"aten.clone.default", "aten._to_copy.default", "aten.copy.default",
+                        "aten.cat.default", "aten.stack.default", "aten.constant_pad_nd.default",
+                        "aten.repeat.default", "aten.index_select.default",
+                        "aten.flip.default", "aten.roll.default"})
+
+
+def _cheaper_to_redo(n: Node, weights: frozenset) -> bool:
+    """A copy-like or pointwise step that reads a small part of its weights: redoing it
+    costs about twice its result's bytes (a read and a write), keeping it costs a fingerprint
+    of every byte of its weights every call.  SD3's crop of its positional embedding (2 MB of
+    an 18.9 MB buffer) is one; a weight's cast or channels-last copy (result as large as the
+    weight, or larger) is kept."""
+    if n.op not in _COPY_LIKE and torch.Tag.pointwise not in n.target.tags:
+        return False
+    return sum(w.meta.span_bytes for w in weights) > 2 * n.meta.span_bytes
 
 
 def concat_in_place(st: PlanState) -> None:
@@ -580,7 +605,7 @@ PLAN_PASSES: list[PlanPass] = [
     PlanPass("fuse", fuse, ("graph", "options"), ("graph", "fusion_report")),
     PlanPass("select_kernels", select_kernels, ("graph", "options"), ("graph", "kernels")),
     PlanPass("classify_steps", classify_steps, ("graph", "kernels", "scalars", "options"),
-             ("bound", "cached", "unread")),
+             ("bound", "cached", "recomputed", "unread")),
     PlanPass("concat_in_place", concat_in_place,
              ("graph", "kernels", "unread", "bound", "cached"), ("graph", "concat"),
              when=lambda st: st.options.concat_in_place),

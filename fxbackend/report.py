@@ -51,6 +51,11 @@ def plan_report(plan: Any) -> str:
                      f"{len(st.cached)} ({nbytes / 2**20:.2f} MB, held once per model, "
                      f"checked by the weights' fingerprints every call): " +
                      ", ".join(f"%{n.id}" for n in st.cached))
+    if st.recomputed:
+        lines.append("steps computed from weights alone, redone every call (cheaper than "
+                     "checking their weights): " + ", ".join(
+                         f"%{n.id} ({n.meta.span_bytes / 2**20:.2f} MB of "
+                         f"{b / 2**20:.2f} MB)" for n, b in st.recomputed.items()))
     if st.identity_cats or st.identity_clones:
         lines.append(f"copies elided (readers read the source): {st.identity_cats} "
                      f"concatenation(s) of slices, {st.identity_clones} clone(s)")

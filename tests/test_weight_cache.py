@@ -95,6 +95,42 @@ def test_user_inputs_and_cuda_graph_plans_are_not_cached():
     assert not plan.cached
 
 
+class _Crop(torch.nn.Module):
+    """``x + pos[:, :n].clone()``: SD3's crop of a positional embedding larger than the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = torch.nn.Parameter(torch.randn(1, 8, 8, 16, generator=torch.Generator()
+                                                  .manual_seed(0)))
+
+    def forward(self, x):  # x: [1, 4, 16], the pos rows of a 2 x 2 patch
+        return x * 2 + self.pos[:, 2:4, 2:4].contiguous().view(1, 4, 16)
+
+
+@pytest.mark.usefixtures("no_grad")
+def test_a_small_copy_of_a_large_weight_is_redone_not_checked():
+    """Keeping a 2 x 2 crop of an 8 x 8 weight would fingerprint all 64 rows every call;
+    redoing it copies 4: it runs every call, named in the report, and follows the weight."""
+    model = _Crop()
+    x = torch.randn(1, 4, 16)
+    _, plan, out = _compile(model, x)
+    c = torch.compile(model, backend="fxbackend")
+    assert torch.equal(out, model(x))
+    redone = plan.state.recomputed
+    assert redone and not plan.cached
+    assert all(b == 64 * 16 * 4 for b in redone.values())
+    assert "redone every call (cheaper than checking their weights)" in plan.report()
+    model.pos.data[:, 2:4, 2:4].mul_(-3.0)  # .data: no version counter moves
+    assert torch.equal(c(x), model(x))
+
+
+@pytest.mark.usefixtures("no_grad")
+def test_a_weight_cast_is_kept_whatever_its_size():
+    """A cast's result is at least half its weight's bytes: kept, never redone."""
+    _, plan, _ = _compile(_CastWeight(), torch.randn(4, 16, dtype=torch.bfloat16))
+    assert plan.cached and not plan.state.recomputed
+
+
 # -- every way users change weights, on whole models -----------------------------------------
 # A model compiled and run once, then its weights changed by one path; the next compiled call
 # must be what a freshly compiled plan gives (bit for bit) and eager's within the dtype's
