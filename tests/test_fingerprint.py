@@ -55,6 +55,15 @@ def test_changes_are_seen(dtype):
     assert weights.fingerprint(t.clone()) == base  # the bytes, not the object
 
 
+@pytest.mark.parametrize("scale", [-1.0, -0.5, 2.0, 0.5])
+def test_a_uniform_scaling_of_a_power_of_two_sized_weight_is_seen(scale):
+    """Scaling a float32 tensor by a power of two moves every word by the same amount mod
+    2**32 (sign bit, exponent); over 2**k words a purely additive sum of the words can cancel
+    that exactly (a 128 x 64 Linear weight multiplied by -0.5 through ``.data``)."""
+    w = torch.nn.Linear(64, 128).weight.detach().clone()
+    assert weights.fingerprint(w * scale) != weights.fingerprint(w)
+    assert weights.torch_fingerprint(w * scale) != weights.torch_fingerprint(w)
+
 def test_weight_key_sees_data_writes():
     p = torch.nn.Parameter(torch.randn(8, 8))
     k = weights.weight_key(p)
