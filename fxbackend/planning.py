@@ -15,9 +15,9 @@ plan's (``executor.Plan``, ``codegen``).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import sys
-import threading
 import time
 from typing import Any, Callable
 
@@ -433,8 +433,9 @@ def _weight_derived(st: PlanState) -> tuple[dict, dict]:
                 storage_root(n) in returned or storage_root(n) in written or \
                 not meta_result_matches(st, n):
             continue
-        if _cheaper_to_redo(n, mine):
-            redo[n] = sum(w.meta.span_bytes for w in mine)
+        weight_bytes = sum(w.meta.span_bytes for w in mine)
+        if _cheaper_to_redo(n, weight_bytes):
+            redo[n] = weight_bytes
             continue
         roots[n] = mine
         cached[n] = sorted(mine, key=lambda w: g.inputs.index(w))
@@ -448,15 +449,14 @@ _COPY_LIKE = frozenset({"aten.clone.default", "aten._to_copy.default", "aten.cop
                         "aten.flip.default", "aten.roll.default"})
 
 
-def _cheaper_to_redo(n: Node, weights: frozenset) -> bool:
+def _cheaper_to_redo(n: Node, weight_bytes: int) -> bool:
     """A copy-like or pointwise step that reads a small part of its weights: redoing it
     costs about twice its result's bytes (a read and a write), keeping it costs a fingerprint
     of every byte of its weights every call.  SD3's crop of its positional embedding (2 MB of
     an 18.9 MB buffer) is one; a weight's cast or channels-last copy (result as large as the
     weight, or larger) is kept."""
-    if n.op not in _COPY_LIKE and torch.Tag.pointwise not in n.target.tags:
-        return False
-    return sum(w.meta.span_bytes for w in weights) > 2 * n.meta.span_bytes
+    return (n.op in _COPY_LIKE or torch.Tag.pointwise in n.target.tags) and \
+        weight_bytes > 2 * n.meta.span_bytes
 
 
 def concat_in_place(st: PlanState) -> None:
@@ -496,30 +496,16 @@ def run_on_passing_threads(jobs: list[Callable[[], Any]]) -> None:
         for job in jobs:
             job()
         return
-    errors: list[BaseException] = []
-    lock = threading.Lock()
-    pending = iter(jobs)
-
-    def work() -> None:
-        while True:
-            with lock:
-                job = None if errors else next(pending, None)
-            if job is None:
-                return
-            try:
-                job()
-            except BaseException as e:  # the first error stops the others' next jobs
-                with lock:
-                    errors.append(e)
-
-    threads = [threading.Thread(target=work, name=f"fxbackend-compile-{i}", daemon=True)
-               for i in range(min(len(jobs), max(1, torch.get_num_threads())))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    width = min(len(jobs), max(1, torch.get_num_threads()))
+    with concurrent.futures.ThreadPoolExecutor(width, thread_name_prefix="fxbackend-compile") \
+            as pool:  # leaving the block joins the threads
+        futures = [pool.submit(job) for job in jobs]
+        concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+        for f in futures:
+            f.cancel()  # the jobs not started yet, once one failed
+    for f in futures:
+        if not f.cancelled() and f.exception() is not None:
+            raise f.exception()
 
 
 def prepare(st: PlanState) -> None:
