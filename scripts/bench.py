@@ -14,6 +14,9 @@ What it measures, for every selected model config of :data:`fxbackend.models.MOD
   compiled again, is called once per round for ``--repeat`` rounds in a rotating order, so that
   a shared machine's changing load falls on all of them alike; each backend's own block of
   calls stays in the JSON as ``steady_ms_block`` (``--no-interleave``: use the blocks).  On CUDA each call is timed with CUDA events.
+* **eager_fp32** (with ``--dtype bfloat16`` or ``float16``): the same model and inputs in
+  float32, run eagerly: the float32 time a 16-bit model is compared with, side by side
+  (``f32eager/fxb``); its max error is float32's distance from 16-bit eager.
 * **max error** against eager: ``max|out - ref| / max|ref|`` (computed in float32), where
   ``ref`` is eager's output of an identically seeded model on the same inputs.
 * **memory**: on CUDA ``torch.cuda.max_memory_allocated`` (after ``reset_peak_memory_stats``)
@@ -83,7 +86,9 @@ import tempfile
 import time
 import traceback
 
-ALL_BACKENDS = ("eager", "inductor", "aot_eager", "fxbackend")
+ALL_BACKENDS = ("eager", "eager_fp32", "inductor", "aot_eager", "fxbackend")
+#: backends that are no torch.compile backend: the model run as it is
+EAGER = ("eager", "eager_fp32")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -104,8 +109,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=None,
                    help="untimed calls before the steady-state ones (default 2, or 1 with --quick)")
     p.add_argument("--quick", action="store_true", help="fewer repeats (3) and warm-ups (1)")
-    p.add_argument("--backends", default=",".join(ALL_BACKENDS),
-                   help=f"comma-separated subset of {','.join(ALL_BACKENDS)}; default: all")
+    p.add_argument("--backends", default=None,
+                   help=f"comma-separated subset of {','.join(ALL_BACKENDS)}; default: all "
+                        f"(eager_fp32 only with a 16-bit --dtype)")
     p.add_argument("--json", default=os.path.join("bench_results", "bench.json"),
                    help="where to write the raw results (default bench_results/bench.json)")
     p.add_argument("--dynamic", action="store_true",
@@ -126,6 +132,9 @@ def parse_args(argv=None):
                         "and warm kernel caches")
     p.add_argument("--child-first-call", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.backends is None:
+        args.backends = ",".join(b for b in ALL_BACKENDS
+                                 if b != "eager_fp32" or args.dtype != "float32")
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     bad = [b for b in args.backends if b not in ALL_BACKENDS]
     if bad or not args.backends:
@@ -257,7 +266,7 @@ def warm_up_backends(backends, device, dtype, fxb_options):
         q = torch.randn(1, 2, 8, 16, device=device, dtype=dtype)
         torch.nn.functional.scaled_dot_product_attention(q, q, q)
         trivial(x, w)
-        for b in dict.fromkeys(["aot_eager"] + [b for b in backends if b != "eager"]):
+        for b in dict.fromkeys(["aot_eager"] + [b for b in backends if b not in EAGER]):
             torch._dynamo.reset()
             kw = {"options": fxb_options} if b == "fxbackend" and fxb_options else {}
             try:
@@ -291,6 +300,7 @@ def run_backend(backend, family, size, args, device, dtype, refs):
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    dtype = backend_dtype(backend, dtype)
     model = build_model(family, size, dtype=dtype, device=device, seed=args.seed)
     inputs = make_inputs(family, size, resolution=res1, dtype=dtype, device=device, seed=args.seed)
 
@@ -298,7 +308,7 @@ def run_backend(backend, family, size, args, device, dtype, refs):
     torch._dynamo.utils.counters.clear()
     if backend == "fxbackend":
         fxbackend.reset_stats()
-    if backend == "eager":
+    if backend in EAGER:
         fn_model = model
     else:
         kw = {"options": args.fxbackend_options} if backend == "fxbackend" and \
@@ -390,16 +400,17 @@ def interleaved_steady(family, size, args, device, dtype, backends):
     that slow drifts of a shared machine's load land on every backend alike.  Returns
     ``{backend: [ms per round]}`` (a backend that fails here is left out)."""
     res1 = tuple(MODEL_CONFIGS[(family, size)]["inputs"]["resolutions"][0])
-    inputs = make_inputs(family, size, resolution=res1, dtype=dtype, device=device,
-                         seed=args.seed)
     torch._dynamo.reset()
     calls = {}
     with torch.no_grad():
         for b in backends:
-            model = build_model(family, size, dtype=dtype, device=device, seed=args.seed)
+            bdtype = backend_dtype(b, dtype)
+            inputs = make_inputs(family, size, resolution=res1, dtype=bdtype, device=device,
+                                 seed=args.seed)
+            model = build_model(family, size, dtype=bdtype, device=device, seed=args.seed)
             kw = {"options": args.fxbackend_options} if b == "fxbackend" and \
                 args.fxbackend_options else {}
-            fn = model if b == "eager" else torch.compile(
+            fn = model if b in EAGER else torch.compile(
                 model, backend=b, dynamic=True if args.dynamic else None, **kw)
             try:
                 for _ in range(max(1, args.warmup)):
@@ -408,7 +419,7 @@ def interleaved_steady(family, size, args, device, dtype, backends):
                 print(f"[{family}/{size}] interleaved: {b} left out ({type(e).__name__})",
                       flush=True)
                 continue
-            calls[b] = (lambda fn=fn: fn(**inputs))
+            calls[b] = (lambda fn=fn, inputs=inputs: fn(**inputs))
         times = {b: [] for b in calls}
         order = list(calls)
         for r in range(args.repeat):
@@ -417,6 +428,12 @@ def interleaved_steady(family, size, args, device, dtype, backends):
     del calls
     torch._dynamo.reset()
     return times
+
+
+def backend_dtype(backend, dtype):
+    """The dtype ``backend`` runs the model in: float32 for ``eager_fp32`` (the float32 time
+    a 16-bit model is compared with), else ``dtype``."""
+    return torch.float32 if backend == "eager_fp32" else dtype
 
 
 def reference(family, size, resolution, args, device, dtype):
@@ -510,6 +527,8 @@ def model_ratios(backends):
                                                     get("fxbackend", "steady_ms")),
         "inductor_steady_over_fxbackend_steady": ratio(get("inductor", "steady_ms"),
                                                        get("fxbackend", "steady_ms")),
+        "eager_fp32_steady_over_fxbackend_steady": ratio(get("eager_fp32", "steady_ms"),
+                                                         get("fxbackend", "steady_ms")),
     }
 
 
@@ -567,6 +586,9 @@ def print_table(results, args, device):
                      rat("fxbackend_first_plus_warm_up_over_aot_eager_first_warm")))
     cols.append(("ratios", "eager/fxb", 9, rat("eager_steady_over_fxbackend_steady")))
     cols.append(("ratios", "ind/fxb", 7, rat("inductor_steady_over_fxbackend_steady")))
+    if "eager_fp32" in backends:
+        cols.append(("ratios", "f32eager/fxb", 12,
+                     rat("eager_fp32_steady_over_fxbackend_steady")))
     if "fxbackend" in backends:
         def mem(row):
             r = row["backends"].get("fxbackend", {})
@@ -751,7 +773,9 @@ def main(args):
     print(f"\nratios: fxb/aot 1st = fxbackend first call / aot_eager first call (1st cold / "
           f"1st warm: the same in new processes with cold / warm kernel caches); eager/fxb and "
           f"ind/fxb = steady-state speed-up of fxbackend over eager / inductor (>1: fxbackend "
-          f"faster). arena/interm MB: fxbackend arena vs. sum of intermediates.")
+          f"faster); f32eager/fxb = float32 eager's steady time over fxbackend's (the 16-bit "
+          f"model against the same model in float32). arena/interm MB: fxbackend arena vs. "
+          f"sum of intermediates.")
     print(f"total {meta['total_s']:.0f} s; load average at the end {meta['loadavg_end']} on "
           f"{os.cpu_count()} CPUs (timings are wall-clock: other load inflates them); "
           f"raw results: {args.json}")
