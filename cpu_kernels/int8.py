@@ -471,16 +471,16 @@ def _engine() -> tuple[str, int]:
 
 
 def _gemm(qx: torch.Tensor, qw: torch.Tensor, acc: torch.Tensor) -> None:
-    """``acc = qx @ qw.T`` (int32): through the prepacked quantized linear where the profile
-    chose it and this file quantized ``qw`` for it (its codes then fit the engine's 16-bit pair
-    sums), else ``torch._int_mm`` where it is exact (``fxbackend.cpu.int_mm_exact``), else a
-    float64 product (exact; an int8 weight the plan did not quantize on a CPU whose int8
-    kernels saturate)."""
-    if _engine()[0] == "quantized_linear":
-        held = _packed.get(id(qw))
-        if held is not None and held[0]() is qw:
-            quantized_linear_gemm(qx, held[1], acc)
-            return
+    """``acc = qx @ qw.T`` (int32): through the prepacked quantized linear where this file
+    quantized and packed ``qw`` for it (only where the profile chose that engine: its codes
+    then fit the engine's 16-bit pair sums; a lookup, no profile read per call), else
+    ``torch._int_mm`` where it is exact (``fxbackend.cpu.int_mm_exact``), else a float64
+    product (exact; an int8 weight the plan did not quantize on a CPU whose int8 kernels
+    saturate)."""
+    held = _packed.get(id(qw))
+    if held is not None and held[0]() is qw:
+        quantized_linear_gemm(qx, held[1], acc)
+        return
     if int_mm_exact():
         torch._int_mm(qx, qw.t(), out=acc)
     else:  # saturating int8 kernels (no VNNI): the references' exact product, slowly
