@@ -30,6 +30,11 @@ Decisions (:meth:`CpuProfile.decide`), each a :class:`Decision` with its reason:
   against float32 where it may run, and a path is taken only when it beats float32 by
   :data:`MARGIN`; otherwise ``float32``: the ``quantize="w8a8"`` rewrite declines every linear
   on the CPU with the reason, since no int8 path here beats the float32 GEMM it would replace.
+- ``w8a8_layers``: which CPU linear layers W8A8 rewrites (:func:`w8a8_limits`): those whose
+  float32 GEMM (its multiply-adds at the probe's float32 speed) takes at least what a W8A8
+  layer adds to its int8 GEMM (its quantize and epilogue passes, its weight check).  A
+  smaller layer stays in float32 with that reason; ``options={"quantize_min_size": 0}``
+  rewrites every layer.
 - ``bfloat16`` / ``float16``: how 16-bit GEMMs and convolutions compute: ``native`` where the
   CPU has the 16-bit dot products (AVX-512 BF16 or AMX-BF16; AVX-512 FP16 or AMX-FP16) or the
   probe measures the 16-bit op faster than the float32 op plus the casts; otherwise ``float32``:
@@ -59,7 +64,8 @@ import torch
 
 __all__ = ["CpuProfile", "Decision", "cpu_profile", "CLASSES", "FEATURES", "run_probes",
            "probe_cache_path", "cpu_report_lines", "int8_weight_max", "quantized_linear_pack",
-           "quantized_linear_gemm", "quantized_linear_available", "int_mm_exact"]
+           "quantized_linear_gemm", "quantized_linear_available", "int_mm_exact",
+           "w8a8_limits", "W8A8Limits"]
 
 #: the CPU flags (as ``/proc/cpuinfo`` names them) that the decisions read
 FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
@@ -126,7 +132,7 @@ class CpuProfile:
         return run_probes(self)
 
     def decide(self, name: str) -> Decision:
-        """The decision ``name`` (``int8_gemm``, ``bfloat16``, ``float16``)."""
+        """The decision ``name`` (one of :data:`DECISIONS`)."""
         return _decide(self, name)
 
     def decisions(self) -> list[Decision]:
@@ -144,7 +150,7 @@ class CpuProfile:
         return [self.summary()] + [f"cpu decision {d}" for d in self.decisions()]
 
 
-DECISIONS = ("int8_gemm", "bfloat16", "float16")
+DECISIONS = ("int8_gemm", "w8a8_layers", "bfloat16", "float16")
 
 
 def cpu_report_lines(graph) -> list[str]:
@@ -164,6 +170,8 @@ def cpu_report_lines(graph) -> list[str]:
 def _decide(p: CpuProfile, name: str) -> Decision:
     if name == "int8_gemm":
         return _decide_int8(p)
+    if name == "w8a8_layers":
+        return _decide_w8a8_layers(p)
     if name in _NATIVE_16:
         if p.has(*_NATIVE_16[name]):
             have = [f for f in _NATIVE_16[name] if f in p.features]
@@ -278,6 +286,59 @@ def _decide_int8(p: CpuProfile) -> Decision:
                                      "int8 GEMM is slower than float32 here: W8A8 declines")
 
 
+#: what a W8A8 layer adds to its int8 GEMM however fast that is: the quantize pass over x,
+#: the epilogue pass over the result, the per-call check of the float weight and three kernel
+#: launches.  0.2-0.4 ms a layer in the small UNet's and Flux's per-step profiles (float32
+#: against W8A8, ``[1-1600, 64-1920] x [64-2304]`` layers) on 2 threads of an AMD EPYC with
+#: AVX-512 VNNI; a layer whose float32 GEMM takes less cannot repay it
+W8A8_LAYER_COST_S = 2e-4
+#: the float32 GEMM's ns per multiply-add where no probe measured it (about 100 GFLOP/s, the
+#: probe's figure on that EPYC)
+_F32_NS_PER_MAC = 0.02
+
+
+@dataclasses.dataclass(frozen=True)
+class W8A8Limits:
+    """Which CPU linear layers W8A8 may gain on (:func:`w8a8_limits`): ``[M, K] x [K, N]``
+    with ``M*K*N >= min_macs``, those whose float32 GEMM (``ns_per_mac`` each: the probe's,
+    or the default where it did not run: ``source``) takes at least
+    :data:`W8A8_LAYER_COST_S`."""
+    min_macs: int
+    ns_per_mac: float
+    source: str
+
+    def why_not(self, m: int, k: int, n: int) -> str | None:
+        """None when the layer may gain, else why not."""
+        macs = m * k * n
+        if macs >= self.min_macs:
+            return None
+        return (f"its float32 GEMM takes about {macs * self.ns_per_mac * 1e-6:.3f} ms here "
+                f"(M*K*N={macs:,}), less than the {W8A8_LAYER_COST_S * 1e3:.1f} ms a W8A8 "
+                f"layer adds (quantize and epilogue passes, weight check, kernel launches)")
+
+
+def w8a8_limits(p: CpuProfile | None = None) -> W8A8Limits | None:
+    """The CPU linear layers W8A8 may gain on with profile ``p`` (default: this CPU's), from
+    the float32 GEMM speed the probes measured (the default above under an override or with
+    probes off); None where the ``int8_gemm`` decision is ``float32`` (no layer gains)."""
+    p = cpu_profile() if p is None else p
+    if p.decide("int8_gemm").choice == "float32":
+        return None
+    ns = p.probes().get("float32_mm_ns_per_mac")
+    ns, source = (_F32_NS_PER_MAC, "default") if ns is None else (ns, "measured")
+    return W8A8Limits(int(W8A8_LAYER_COST_S / (ns * 1e-9)), ns, source)
+
+
+def _decide_w8a8_layers(p: CpuProfile) -> Decision:
+    limits = w8a8_limits(p)
+    if limits is None:
+        return Decision("w8a8_layers", "none", "no int8 GEMM beats float32 here (int8_gemm)")
+    return Decision("w8a8_layers", f"M*K*N >= {limits.min_macs / 1e6:.1f}M",
+                    f"float32 GEMM {limits.ns_per_mac:.3f} ns per multiply-add "
+                    f"({limits.source}): a smaller layer's takes less than the "
+                    f"{W8A8_LAYER_COST_S * 1e3:.1f} ms a W8A8 layer adds")
+
+
 def _cpuinfo() -> tuple[frozenset, str]:
     """The CPU's flags among :data:`FEATURES` and its model name, from ``/proc/cpuinfo``
     (empty and ``"unknown CPU"`` elsewhere)."""
@@ -353,10 +414,17 @@ def _key(p: CpuProfile) -> str:
 
 def _speedup(candidate: Callable[[], object], rival: Callable[[], object], rounds: int = 4,
              budget_s: float = 0.3) -> float:
-    """How many times faster ``candidate`` runs than ``rival`` (>1: faster): the best of
-    ``rounds`` calls of each, interleaved so that a load on the machine hits both, after one
-    warm-up call each; stops early past ``budget_s`` (a crawling path needs no more samples
-    to be seen as slow)."""
+    """How many times faster ``candidate`` runs than ``rival`` (>1: faster): the ratio of
+    :func:`_best_seconds`."""
+    t_candidate, t_rival = _best_seconds(candidate, rival, rounds, budget_s)
+    return t_rival / t_candidate
+
+
+def _best_seconds(candidate: Callable[[], object], rival: Callable[[], object], rounds: int = 4,
+                  budget_s: float = 0.3) -> list:
+    """``[candidate's, rival's]`` best seconds of ``rounds`` calls of each, interleaved so that
+    a load on the machine hits both, after one warm-up call each; stops early past
+    ``budget_s`` (a crawling path needs no more samples to be seen as slow)."""
     candidate()
     rival()
     best = [float("inf"), float("inf")]
@@ -368,18 +436,20 @@ def _speedup(candidate: Callable[[], object], rival: Callable[[], object], round
             best[i] = min(best[i], time.perf_counter() - t0)
         if time.perf_counter() - start > budget_s:
             break
-    return best[1] / best[0]
+    return best
 
 
-_PROBE_VERSION = 2
+_PROBE_VERSION = 3
 #: the figures every cached entry must hold (an entry without one is measured again)
 _PROBED_KEYS = {"int_mm_speedup", "quantized_linear_speedup", "bfloat16_mm_speedup",
-                "bfloat16_conv_speedup", "float16_mm_speedup", "float16_conv_speedup"}
+                "bfloat16_conv_speedup", "float16_mm_speedup", "float16_conv_speedup",
+                "float32_mm_ns_per_mac"}
 
 
 def _measure() -> dict:
     """The probes' raw figures: the speed of each candidate path against its float32 rival
-    (>1: the candidate is faster).  Shapes: a [256, 512] x [512, 512] GEMM, and a 3x3
+    (>1: the candidate is faster), and the float32 GEMM's nanoseconds per multiply-add
+    (``float32_mm_ns_per_mac``).  Shapes: a [256, 512] x [512, 512] GEMM, and a 3x3
     convolution of 32 channels on 32x32 in channels-last (the layout the plans give 16-bit
     convolutions); the quantized linear engine on [256, 1024] x [1024, 1024]."""
     g = torch.Generator().manual_seed(0)
@@ -390,8 +460,10 @@ def _measure() -> dict:
         w = torch.randn(n, k, generator=g)
         qx = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
         qw = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
-        out["int_mm_speedup"] = _speedup(lambda: torch._int_mm(qx, qw.t()),
-                                         lambda: torch.mm(x, w.t()))
+        t_int, t_f32 = _best_seconds(lambda: torch._int_mm(qx, qw.t()),
+                                     lambda: torch.mm(x, w.t()))
+        out["int_mm_speedup"] = t_f32 / t_int
+        out["float32_mm_ns_per_mac"] = t_f32 / (m * k * n) * 1e9
         if quantized_linear_available():  # a larger GEMM: the engine's per-call costs (the
             # float codes, the int32 copy) are a larger share of a small one than in a model
             m, k, n = 256, 1024, 1024

@@ -45,6 +45,11 @@ class Options:
     - ``convrot_group``: the largest ConvRot rotation group of ``quantize`` (1, 4, 16, 64 or
       256; 1 = no rotation; default 256); a layer whose K it does not divide takes the largest
       smaller group that does.
+    - ``quantize_min_size``: the smallest linear layer ``quantize`` rewrites, in multiply-adds
+      of its GEMM (``M * K * N``); None (default): on the CPU, the profile's ``w8a8_layers``
+      decision (``fxbackend.cpu.w8a8_limits``: a layer too small for the int8 GEMM to repay
+      its quantize and epilogue passes and its weight check stays in float32, and the report
+      says so), no limit elsewhere; 0: every eligible layer (``FXB_QUANTIZE_MIN_SIZE``).
     - ``attention_dtype``: ``"bfloat16"`` or ``"float16"`` runs float32 flash attention in
       that dtype (q, k, v cast, the output cast back; ``patterns/attention.py``;
       ``FXB_ATTENTION_DTYPE``); None (default): attention keeps the model's dtype.  Changes
@@ -74,6 +79,7 @@ class Options:
     device_type: str | None = None
     quantize: str | None = None
     convrot_group: int = 256
+    quantize_min_size: int | None = None
     concat_in_place: bool = True
     attention_dtype: str | None = None
     profile: bool = False
@@ -90,6 +96,18 @@ def _names(v: Any, what: str) -> tuple:
                      f"of rule names, got {v!r}")
 
 
+def _min_size(v: Any, what: str) -> int:
+    """A non-negative int from an int or a decimal string, else ValueError naming ``what``."""
+    if isinstance(v, str):
+        try:
+            v = int(v.strip())
+        except ValueError:
+            pass
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"{what} must be a non-negative int (multiply-adds) or None, got {v!r}")
+    return v
+
+
 def parse_options(options: Mapping[str, Any] | None = None) -> Options:
     """Options from the environment, then ``options``; an unknown key is a ValueError."""
     fields = {f.name: f for f in dataclasses.fields(Options)}
@@ -102,6 +120,9 @@ def parse_options(options: Mapping[str, Any] | None = None) -> Options:
         "streams": lambda: _env_flag("FXB_STREAMS"),
         "cuda_graphs": lambda: _env_flag("FXB_CUDA_GRAPHS"),
         "quantize": lambda: os.environ.get("FXB_QUANTIZE") or None,
+        "quantize_min_size": lambda: _min_size(os.environ["FXB_QUANTIZE_MIN_SIZE"],
+                                               "FXB_QUANTIZE_MIN_SIZE")
+        if os.environ.get("FXB_QUANTIZE_MIN_SIZE", "").strip() else None,
         "concat_in_place": lambda: _env_flag("FXB_CONCAT_IN_PLACE"),
         "profile": lambda: _env_flag("FXB_PROFILE"),
         "attention_dtype": lambda: os.environ.get("FXB_ATTENTION_DTYPE") or None,
@@ -132,6 +153,8 @@ def parse_options(options: Mapping[str, Any] | None = None) -> Options:
             pass  # checked below, with the environment's value
         elif key == "disable_rewrites":
             v = _names(v, key)
+        elif key == "quantize_min_size":
+            v = None if v is None else _min_size(v, "fxbackend option 'quantize_min_size'")
         elif key == "convrot_group":
             if isinstance(v, bool) or v not in CONVROT_GROUPS:
                 raise ValueError(f"fxbackend option 'convrot_group' must be one of "

@@ -34,7 +34,12 @@ and the plan's report says why (``rewrite quantize_w8a8 declined on %n: ...``). 
 profile's ``int8_gemm`` decision (:func:`fxbackend.cpu_profile`) picks the GEMM: ``torch._int_mm``
 with VNNI or AMX-INT8, the prepacked quantized linear engine with 7-bit weight codes without
 them (AVX2-only CPUs); where it finds no int8 GEMM faster than float32 every CPU layer stays in
-float32, with that reason: quantization there would make the model slower than float32.
+float32, with that reason: quantization there would make the model slower than float32.  Its
+``w8a8_layers`` decision (:func:`fxbackend.cpu.w8a8_limits`) leaves the CPU layers too small to
+gain in float32 too, each with its reason: a layer whose float32 GEMM takes less than what a
+W8A8 layer adds to its int8 GEMM (the quantize and epilogue passes, the weight check).  The option
+``quantize_min_size`` replaces that limit by a size in multiply-adds (0: every eligible layer,
+on any device).
 """
 from __future__ import annotations
 
@@ -120,6 +125,19 @@ def _value_key(x: Node):
     return (storage_root(x), tuple(m.shape), tuple(m.stride), m.storage_offset, m.dtype)
 
 
+def _too_small(x: Node, w: Node, min_size: int | None, limits) -> str | None:
+    """Why the linear ``x [M, K] @ W[N, K].T`` is too small to rewrite, or None: under the
+    option ``quantize_min_size`` when it is set, else the CPU's ``limits``
+    (``fxbackend.cpu.W8A8Limits``; None: no limit)."""
+    (m, k), n = x.meta.shape, w.meta.shape[0]
+    if min_size is not None:
+        if m * k * n >= min_size:
+            return None
+        return f"too small: M*K*N={m * k * n:,} below the option quantize_min_size={min_size:,}"
+    why = None if limits is None else limits.why_not(m, k, n)
+    return None if why is None else f"too small to gain here (cpu decision w8a8_layers): {why}"
+
+
 class QuantizeW8A8:
     """Rewrite rule ``quantize_w8a8`` (see the module docstring); active only with the option
     ``quantize="w8a8"``."""
@@ -137,6 +155,7 @@ class QuantizeW8A8:
         group = ctx.options.convrot_group
         done = 0
         int8 = None  # the CPU profile's int8 GEMM decision, read for the first CPU layer
+        limits = None  # the CPU's layers that gain (its w8a8_layers decision)
         quantized: dict = {}  # x -> its quantize node (placed before x's first eligible linear)
         for n in list(graph.nodes):
             parts = linear_parts(n)
@@ -147,8 +166,13 @@ class QuantizeW8A8:
             if why is None and x.meta.device.type == "cpu":
                 if int8 is None:
                     int8 = fxbackend.cpu_profile().decide("int8_gemm")
+                    limits = fxbackend.cpu.w8a8_limits()
                 if int8.choice == "float32":
                     why = f"int8 GEMM on this CPU: {int8.reason}"
+                else:
+                    why = _too_small(x, w, ctx.options.quantize_min_size, limits)
+            elif why is None:  # another device: only the option's limit
+                why = _too_small(x, w, ctx.options.quantize_min_size, None)
             if why is not None:
                 ctx.decline(n, why)
                 continue

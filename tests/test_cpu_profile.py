@@ -171,7 +171,8 @@ def test_probes_are_measured_once_and_cached_on_disk(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu, "_probed", {})
     calls = []
     fake = {"int_mm_speedup": 0.5, "quantized_linear_speedup": 1.0, "bfloat16_mm_speedup": 0.2,
-            "bfloat16_conv_speedup": 0.1, "float16_mm_speedup": 0.2, "float16_conv_speedup": 0.1}
+            "bfloat16_conv_speedup": 0.1, "float16_mm_speedup": 0.2, "float16_conv_speedup": 0.1,
+            "float32_mm_ns_per_mac": 0.02}
     monkeypatch.setattr(cpu, "_measure", lambda: calls.append(1) or dict(fake))
     p = _detected()
     first = cpu.run_probes(p)
@@ -213,7 +214,7 @@ def test_w8a8_follows_the_int8_decision(name, monkeypatch):
     model = _Mlp().eval()
     x = torch.randn(8, 64)
     fxbackend.reset_stats()
-    report = fxbackend.explain(model, x, options={"quantize": "w8a8"})
+    report = fxbackend.explain(model, x, options={"quantize": "w8a8", "quantize_min_size": 0})
     quantized = fxbackend.stats()["rewrites_by_rule"].get("quantize_w8a8", 0)
     assert quantized == 2, report
     assert f"cpu profile (FXB_CPU_PROFILE={name})" in report
@@ -232,41 +233,76 @@ def test_w8a8_declines_where_no_int8_gemm_beats_float32(monkeypatch):
 
 
 def _w8a8(model):
-    return torch.compile(model, backend="fxbackend", options={"quantize": "w8a8"})
+    return torch.compile(model, backend="fxbackend",
+                         options={"quantize": "w8a8", "quantize_min_size": 0})
 
 
-def test_w8a8_on_the_quantized_linear_engine(monkeypatch):
-    """Under the AVX2 class every linear runs through the prepacked engine with 7-bit weight
-    codes: close to eager, and current after the weights change through ``.data`` (the weight
-    is quantized and packed again).  (The 8-bit ``torch._int_mm`` path is no reference here:
-    with the vectors limited to AVX2 its oneDNN kernels saturate, cosine 0.995.)"""
-    from fxbackend.cpu_kernels import int8 as cpu_int8
+class _Sized(torch.nn.Module):
+    """One linear [m, k] x [k, n] per (m, k, n): each reads an input of its own."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.shapes = shapes
+        self.lins = torch.nn.ModuleList(torch.nn.Linear(k, n) for _, k, n in shapes)
+
+    def forward(self, *xs):
+        return [lin(x) for lin, x in zip(self.lins, xs)]
+
+
+#: two small layers and a large one (every class's limits keep only the large one)
+_SHAPES = [(1, 512, 512), (64, 64, 64), (512, 512, 512)]
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_w8a8_leaves_layers_too_small_to_gain_in_float32(name, monkeypatch):
+    """The ``w8a8_layers`` decision keeps the layers whose float32 GEMM takes less than what a
+    W8A8 layer adds in float32, each with its reason, and quantizes the large one;
+    ``quantize_min_size`` replaces the limit (0: every layer)."""
+    monkeypatch.setenv("FXB_CPU_PROFILE", name)
+    limits = cpu.w8a8_limits()
+    assert limits is not None and limits.source == "default"  # an override never probes
+    want = [limits.why_not(m, k, n) is None for m, k, n in _SHAPES]
+    assert want == [False, False, True]  # what the class's limits imply for these shapes
     torch.manual_seed(0)
-    model = _Mlp().eval()
-    x = torch.randn(8, 64)
-    calls = []
-    real = cpu_int8.quantized_linear_gemm
-    monkeypatch.setattr(cpu_int8, "quantized_linear_gemm",
-                        lambda *a: calls.append(1) or real(*a))
+    model = _Sized(_SHAPES).eval()
+    xs = [torch.randn(m, k) for m, k, _ in _SHAPES]
+    fxbackend.reset_stats()
+    report = fxbackend.explain(model, *xs, options={"quantize": "w8a8"})
+    assert fxbackend.stats()["rewrites_by_rule"].get("quantize_w8a8", 0) == 1, report
+    assert f"cpu decision w8a8_layers: M*K*N >= {limits.min_macs / 1e6:.1f}M" in report
+    assert report.count("(M*K*N=262,144), less than the 0.2 ms a W8A8 layer adds") == 2
+    fxbackend.reset_stats()
+    fxbackend.explain(model, *xs, options={"quantize": "w8a8", "quantize_min_size": 0})
+    assert fxbackend.stats()["rewrites_by_rule"].get("quantize_w8a8", 0) == 3
+    fxbackend.reset_stats()
+    report = fxbackend.explain(model, *xs, options={"quantize": "w8a8",
+                                                    "quantize_min_size": 512 * 512 + 1})
+    assert fxbackend.stats()["rewrites_by_rule"].get("quantize_w8a8", 0) == 1  # the option's
+    # limit alone: M*K*N of the first two is 512 * 512
+    assert report.count("M*K*N=262,144 below the option quantize_min_size=262,145") == 2
 
-    def cosine(a, b):
-        return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(),
-                                                     dim=0).item()
 
-    with torch.no_grad():
-        monkeypatch.setenv("FXB_CPU_PROFILE", "avx2")
-        torch._dynamo.reset()
-        compiled = _w8a8(model)
-        seven = compiled(x)
-        assert len(calls) == 2  # both linears
-        ref = model(x)
-        assert cosine(seven, ref) > 0.999
-        for p in model.parameters():
-            p.data.mul_(-0.5)
-        ref = model(x)
-        again = compiled(x)
-    assert len(calls) == 4
-    assert cosine(again, ref) > 0.999
+def test_w8a8_layer_limits_follow_the_probes(monkeypatch):
+    """The limit comes from the float32 GEMM speed the probes measured: on a slower float32
+    GEMM smaller layers are quantized; no int8 path faster than float32, no limit (every
+    layer declines with the int8_gemm reason)."""
+    monkeypatch.setattr(cpu, "int_mm_exact", lambda: True)
+    probes = {"int_mm_speedup": 3.0, "quantized_linear_speedup": 0.5,
+              "float32_mm_ns_per_mac": 0.01}
+    monkeypatch.setattr(cpu, "run_probes", lambda p: dict(probes))
+    p = _detected({"avx2", "avx512_vnni"})
+    fast = cpu.w8a8_limits(p)
+    assert fast.source == "measured" and fast.min_macs == 20_000_000
+    assert "0.010 ns per multiply-add (measured)" in p.decide("w8a8_layers").reason
+    probes["float32_mm_ns_per_mac"] = 0.04
+    slow = cpu.w8a8_limits(p)
+    assert slow.min_macs == 5_000_000
+    assert fast.why_not(256, 256, 128) is not None and slow.why_not(256, 256, 128) is None
+    q = _detected({"avx2"})
+    probes["int_mm_speedup"] = 0.5
+    monkeypatch.setattr(cpu, "quantized_linear_available", lambda: False)
+    assert q.decide("int8_gemm").choice == "float32"
+    assert cpu.w8a8_limits(q) is None and q.decide("w8a8_layers").choice == "none"
 
 
 def test_numba_compiles_for_a_named_cpu_only():

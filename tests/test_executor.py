@@ -180,6 +180,11 @@ def test_bad_option_value():
     opts = parse_options({"quantize": "w8a8", "convrot_group": 64})
     assert (opts.quantize, opts.convrot_group) == ("w8a8", 64)
     assert (Options().quantize, Options().convrot_group) == (None, 256)
+    for bad in (-1, 1.5, True, "many"):
+        with pytest.raises(ValueError, match="'quantize_min_size' must be a non-negative int"):
+            parse_options({"quantize_min_size": bad})
+    assert parse_options({"quantize_min_size": None}).quantize_min_size is None
+    assert parse_options({"quantize_min_size": "1000"}).quantize_min_size == 1000
 
 
 @pytest.mark.parametrize("var, value, field, want", [
@@ -196,10 +201,13 @@ def test_bad_option_value():
     ("FXB_CONCAT_IN_PLACE", "0", "concat_in_place", False),
     ("FXB_PROFILE", "1", "profile", True),
     ("FXB_QUANTIZE", "", "quantize", None),
+    ("FXB_QUANTIZE_MIN_SIZE", "0", "quantize_min_size", 0),
+    ("FXB_QUANTIZE_MIN_SIZE", " 4096 ", "quantize_min_size", 4096),
+    ("FXB_QUANTIZE_MIN_SIZE", "", "quantize_min_size", None),
 ])
 def test_env_switches(monkeypatch, var, value, field, want):
     for v in ("FXB_DISABLE_FUSION", "FXB_FORCE_NATIVE", "FXB_DUMP", "FXB_CUDA_GRAPHS",
-              "FXB_STREAMS", "FXB_QUANTIZE"):
+              "FXB_STREAMS", "FXB_QUANTIZE", "FXB_QUANTIZE_MIN_SIZE"):
         monkeypatch.delenv(v, raising=False)
     assert parse_options() == Options()
     monkeypatch.setenv(var, value)

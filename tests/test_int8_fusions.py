@@ -54,7 +54,7 @@ from _rope_interp_check import check_result, run_checker
 from ext_util import rule_on_top
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
-OPTS = {"quantize": "w8a8", "convrot_group": 16}
+OPTS = {"quantize": "w8a8", "convrot_group": 16, "quantize_min_size": 0}
 MINE = ("int8_gated_residual", "int8_linear_act_quantize", "modulation_quantize",
         "rms_norm_quantize", "act_quantize", "scale_quantize", "int8_linear_act")
 #: the rules whose result differs from the native chain by the activation's float32 ulps
@@ -730,7 +730,7 @@ def test_golden_plan_of_a_small_block():
             return x + gate.unsqueeze(1) * self.out(h)
 
     text = _explain(Block().eval(), (torch.randn(1, 3, 8), torch.randn(1, 24)),
-                    {"quantize": "w8a8", "convrot_group": 4})
+                    {"quantize": "w8a8", "convrot_group": 4, "quantize_min_size": 0})
     text = re.sub(r"^plan graph\d+", "plan graph", text)  # a process-wide counter
     # the host's CPU and the passes' times vary: not part of the golden text
     text = "".join(ln for ln in text.splitlines(keepends=True)

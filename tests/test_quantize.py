@@ -48,7 +48,7 @@ def test_shared_quantize_per_input_and_declines_with_reasons():
     torch.manual_seed(0)
     m = _Attn().eval()
     args = _inputs()
-    text = _explain(m, args, quantize="w8a8", convrot_group=16, fusion=False)  # steps as rewritten
+    text = _explain(m, args, quantize="w8a8", convrot_group=16, quantize_min_size=0, fusion=False)  # steps as rewritten
     steps = [ln for ln in text.splitlines() if ln.startswith("%")]
     quantizes = [ln for ln in steps if "sd.quantize_i8_convrot.v1" in ln]
     # q, k, v share one (group 16); odd's K = 36 takes the largest group dividing it, 4
@@ -59,7 +59,7 @@ def test_shared_quantize_per_input_and_declines_with_reasons():
     with torch.no_grad():
         ref = m(*args)
         out = torch.compile(m, backend="fxbackend",
-                            options={"quantize": "w8a8", "convrot_group": 16})(*args)
+                            options={"quantize": "w8a8", "convrot_group": 16, "quantize_min_size": 0})(*args)
     cos = torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0).item()
     assert cos > 0.999
 
@@ -70,7 +70,7 @@ def test_quantized_step_equals_the_references():
     x = torch.randn(7, 64)
     with torch.no_grad():
         out = torch.compile(lin, backend="fxbackend",
-                            options={"quantize": "w8a8", "convrot_group": 64})(x)
+                            options={"quantize": "w8a8", "convrot_group": 64, "quantize_min_size": 0})(x)
     packed = quantize_i8_convrot_reference(x, 64)
     want = linear_i8_reference(packed, lin.weight, bias=lin.bias, x_kind="packed",
                                w_kind="float", group=64, m=7, lead=(7,),
@@ -88,7 +88,7 @@ def test_in_place_weight_update_is_requantized_like_a_fresh_compile():
     torch.manual_seed(0)
     model = fxbackend.models.build_model("flux", "tiny")
     inputs = fxbackend.models.make_inputs("flux", "tiny")
-    opts = {"quantize": "w8a8", "convrot_group": 16}
+    opts = {"quantize": "w8a8", "convrot_group": 16, "quantize_min_size": 0}
     with torch.no_grad():
         fn = torch.compile(model, backend="fxbackend", options=opts)
         before = fxbackend.models.run_eager(fn, inputs)[0].clone()
@@ -111,7 +111,7 @@ def test_tiny_models_quantize_every_linear_and_stay_close(family):
         fxbackend.reset_stats()
         out = fxbackend.models.run_eager(
             torch.compile(model, backend="fxbackend",
-                          options={"quantize": "w8a8", "convrot_group": 16}), inputs)[0]
+                          options={"quantize": "w8a8", "convrot_group": 16, "quantize_min_size": 0}), inputs)[0]
     s = fxbackend.stats()
     n_linear = sum(isinstance(mod, nn.Linear) for mod in model.modules())
     assert s["rewrites_by_rule"]["quantize_w8a8"] == n_linear
@@ -140,7 +140,7 @@ def test_16_bit_layer_is_the_float32_step_rounded_once(dtype):
     x = torch.randn(7, 64).to(dtype)
     with torch.no_grad():
         out = torch.compile(lin, backend="fxbackend",
-                            options={"quantize": "w8a8", "convrot_group": 64})(x)
+                            options={"quantize": "w8a8", "convrot_group": 64, "quantize_min_size": 0})(x)
     packed = quantize_i8_convrot_reference(x.float(), 64)
     want = linear_i8_reference(packed, lin.weight.float(), bias=lin.bias.float(),
                                x_kind="packed", w_kind="float", group=64, m=7, lead=(7,),
@@ -152,7 +152,7 @@ def test_16_bit_model_quantizes_its_layers():
     torch.manual_seed(0)
     m = _Attn().to(torch.bfloat16).eval()
     args = tuple(a.to(torch.bfloat16) for a in _inputs())
-    text = _explain(m, args, quantize="w8a8", convrot_group=16)
+    text = _explain(m, args, quantize="w8a8", convrot_group=16, quantize_min_size=0)
     declined = [ln for ln in text.splitlines() if "quantize_w8a8 declined" in ln]
     assert len(declined) == 1 and "is a user input" in declined[0]  # the rest are quantized
     # each 16-bit linear's step writes bf16: its cast is in the fused step (q(h) * k(h) + v(h)
@@ -167,7 +167,7 @@ def test_16_bit_model_quantizes_its_layers():
         ref = m.float()(*[a.float() for a in args])
         m.to(torch.bfloat16)
         out = torch.compile(m, backend="fxbackend",
-                            options={"quantize": "w8a8", "convrot_group": 16})(*args)
+                            options={"quantize": "w8a8", "convrot_group": 16, "quantize_min_size": 0})(*args)
     assert out.dtype == torch.bfloat16
     cos = torch.nn.functional.cosine_similarity(out.float().flatten(), ref.flatten(), dim=0)
     assert cos.item() > 0.999

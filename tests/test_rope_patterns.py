@@ -140,7 +140,7 @@ def test_rewrite_rules_may_take_a_context_with_options_and_declines():
     rule = fxbackend.register_rewrite(Sines)
     try:
         text = fxbackend.explain(lambda x: x.sin() + 1, torch.randn(3),
-                                 options={"quantize": "w8a8"})
+                                 options={"quantize": "w8a8", "quantize_min_size": 0})
     finally:
         fxbackend.unregister_rewrite(rule)
     assert got == ["w8a8"]

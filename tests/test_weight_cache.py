@@ -193,7 +193,7 @@ CHANGES = {
 MODELS = {
     "unet_bf16": ("unet", torch.bfloat16, {}, 3e-2),
     "flux_f32": ("flux", torch.float32, {}, 1e-4),
-    "flux_w8a8": ("flux", torch.float32, {"quantize": "w8a8"}, 5e-2),
+    "flux_w8a8": ("flux", torch.float32, {"quantize": "w8a8", "quantize_min_size": 0}, 5e-2),
 }
 
 
