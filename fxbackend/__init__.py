@@ -23,6 +23,7 @@ from .registry import (register_kernel, select_kernel, supports_native_op, suppo
 from .replay import ExportedPlan, ReplayError, load, save
 from .exporter import export, from_compiled, record_graphs
 from .services import warm_up
+from .precompile import precompile
 from .stats import reset_stats, stats
 
 __all__ = ["fxbackend_backend", "compile_fx_graph", "explain", "CompiledGraph", "Plan",
@@ -32,7 +33,7 @@ __all__ = ["fxbackend_backend", "compile_fx_graph", "explain", "CompiledGraph", 
            "supports_native_op", "register_fusion", "unregister_fusion", "graph_delay",
            "check_claim",
            "register_rewrite", "unregister_rewrite", "rewrites", "replace_uses", "load_extensions",
-           "services", "stats", "reset_stats", "backend", "warm_up", "export", "save",
+           "services", "stats", "reset_stats", "backend", "warm_up", "precompile", "export", "save",
            "load", "from_compiled", "record_graphs", "ExportedPlan", "ReplayError",
            "cpu_profile", "CpuProfile"]
 

@@ -1,4 +1,4 @@
-"""Command line: ``python -m fxbackend {demo,replay,inspect}``.
+"""Command line: ``python -m fxbackend {demo,replay,inspect,precompile}``.
 
 ``demo`` (what ``make demo`` runs) builds a small diffusers Flux transformer from a config with
 random weights (nothing is downloaded), compiles it with ``torch.compile(backend="fxbackend")``,
@@ -8,6 +8,9 @@ checks it against eager, and prints the backend's stats and the speed against ea
 loads a saved plan (``fxbackend.save``), runs it on the inputs and prints the outputs' shapes,
 the timing and the memory report.  ``inspect FILE`` prints what the file holds: inputs,
 weights, symbols, custom ops, the node list and the ops each step uses.
+
+``precompile [--dtypes float32,bfloat16] [--families flux,unet] [--no-w8a8] [--device cpu]``
+fills the kernel cache ahead of the first compile (``fxbackend.precompile``).
 """
 from __future__ import annotations
 
@@ -172,9 +175,37 @@ def inspect(argv: list[str]) -> int:
     return 0
 
 
+def precompile(argv: list[str]) -> int:
+    """Compile the kernels of the model zoo's tiny configs into the kernel cache, so that the
+    first compile of a model of those families on this machine finds them there."""
+    p = argparse.ArgumentParser(prog="python -m fxbackend precompile",
+                                description=precompile.__doc__)
+    p.add_argument("--dtypes", default="float32,bfloat16",
+                   help="comma-separated: float32, bfloat16, float16 (default float32,bfloat16)")
+    p.add_argument("--families", default=None,
+                   help="comma-separated model families (default: every one with a tiny config)")
+    p.add_argument("--no-w8a8", action="store_true", help="skip the quantize=w8a8 kernels")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    args = p.parse_args(argv)
+
+    import fxbackend
+    from fxbackend.cpu_kernels._numba import numba_cache_dir
+    from fxbackend.precompile import precompile as run
+    print(f"kernel cache: {numba_cache_dir()}", flush=True)
+    t0 = time.perf_counter()
+    try:
+        spent = run(args.dtypes, args.families, not args.no_w8a8, args.device,
+                    log=lambda line: print(line, flush=True))
+    except ValueError as e:
+        p.error(str(e))
+    print(f"precompiled {len(spent)} configs in {time.perf_counter() - t0:.1f} s "
+          f"(fxbackend {fxbackend.__version__})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"demo": demo, "replay": replay, "inspect": inspect}
+    commands = {"demo": demo, "replay": replay, "inspect": inspect, "precompile": precompile}
     if not argv or argv[0] not in commands:
         print(f"usage: python -m fxbackend {{{','.join(commands)}}} [options]", file=sys.stderr)
         return 2
