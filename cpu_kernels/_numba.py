@@ -222,11 +222,13 @@ _runtime_started = False
 def _start_runtime() -> None:
     """Start numba's parallel runtime once, keeping torch's intra-op thread count.
 
-    The runtime starts on the first parallel launch.  With the ``omp`` threading layer it
-    shares the process's OpenMP runtime with torch, and its start sets that runtime's thread
-    count to ``NUMBA_NUM_THREADS``: a process that had called ``torch.set_num_threads(1)`` ran
-    every later torch op on all cores.  Every kernel getter (:func:`once`) calls this before
-    returning its kernels, so no kernel of ours launches first."""
+    The runtime starts on the first parallel launch.  With the ``omp`` threading layer, where
+    numba and torch load the same OpenMP library (a torch linked against the system's libgomp;
+    the PyPI wheels bundle their own copy, and the two runtimes are then separate), its start
+    sets that runtime's thread count to ``NUMBA_NUM_THREADS``: a process that had called
+    ``torch.set_num_threads(1)`` would run every later torch op on all cores.  Every kernel
+    getter (:func:`once`) calls this before returning its kernels, so no kernel of ours
+    launches first, and torch's count is put back whichever runtime was touched."""
     global _runtime_started
     if _runtime_started:
         return

@@ -28,7 +28,6 @@ import torch
 from . import registry, stats, weights  # noqa: F401  (weights: patched by bench_weights)
 from .codegen import ExecContext, generate
 from .concrete import concretize, describe_input, instantiate
-from .concrete import propagate as _propagate  # noqa: F401  (the replayed plans' re-check)
 from .cudagraphs import GraphRunner, capture_blocker
 from .inputs import check_inputs
 from .ir import Graph, Node, TensorMeta

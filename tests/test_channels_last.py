@@ -16,6 +16,16 @@ from conftest import capture, rewrites
 pytestmark = pytest.mark.usefixtures("no_grad")
 
 
+@pytest.fixture(autouse=True)
+def _native_16bit_convolutions(monkeypatch):
+    """The rule is about 16-bit convolutions run as 16-bit: the class with native 16-bit
+    arithmetic is pinned even under ``FXB_TEST_CPU_PROFILE`` (what a class without it does to
+    the convolutions, float32 compute, is tests/test_upcast.py's).  ``make test-avx2`` still
+    runs this module with the vectors limited to AVX2: oneDNN's layouts then follow its AVX2
+    kernels (the 3-D test asks the host)."""
+    monkeypatch.setenv("FXB_CPU_PROFILE", "amx")
+
+
 class _ResBlock(torch.nn.Module):
     """conv_in -> GroupNorm -> SiLU -> conv -> + residual -> GroupNorm -> conv_out, as a UNet's
     ResnetBlock2D between its input and output convolutions."""
