@@ -41,6 +41,13 @@ only where the GEMM adds the bias differs (MKL adds its partial products to the 
 within a few ulp.  SD1.5 GEGLU sizes, one thread: 0.93-0.96x Inductor before, 1.00-1.04x
 after; SD3's feed-forward 1.00x eager before, 1.09x after (``scripts/bench_activation.py``).
 16-bit chains keep the addmm: a 16-bit GEMM rounds ``acc + bias`` once.
+
+Rounded chains.  Where a 16-bit model computes its GEMMs in float32 (``compute_in_float32``,
+``patterns/upcast.py``) the chain is ``addmm(float32) -> _to_copy(16-bit) -> act``: the GEMM
+(``mm``, its ``[N]`` float32 bias moved into the pass as above) writes float32 workspace and
+one pass writes ``round(act(round(y + bias)))`` into the 16-bit output (:func:`cast_activate_cpu`):
+the cast's own rounding, then the activation of the rounded value, so the values are the
+unfused chain's, without its 16-bit intermediate (written by the cast, read by the activation).
 """
 from __future__ import annotations
 
@@ -59,7 +66,8 @@ from ._vmath import _erff, _expf, _fma, _silu, _tanhf  # noqa: F401 (_expf: int8
 from .rmsnorm import _round_as
 from .rope import _NP_OF, _compile_lock, _flat, _load, _set_threads, _store
 
-__all__ = ["why_not", "compile_kernels", "activate_cpu", "glu_cpu", "LinearActCPU"]
+__all__ = ["why_not", "compile_kernels", "activate_cpu", "cast_activate_cpu", "glu_cpu",
+           "LinearActCPU"]
 
 #: ``numba.prange`` once numba is imported (see ``cpu_kernels/_numba.py``); ``range`` until then
 prange = range
@@ -98,8 +106,10 @@ def _task_rows(t, total, chunk, n, ld):
 
 
 def _row_loops(act):
-    """``(run, glu_row)`` for the element function ``act``, inlined into the kernels in numba's
-    IR: ``run(b, bias)`` activates the slice ``b`` in place (plus ``bias``, or the empty bias);
+    """``(run, cast_run, glu_row)`` for the element function ``act``, inlined into the kernels
+    in numba's IR: ``run(b, bias)`` activates the slice ``b`` in place (plus ``bias``, or the
+    empty bias); ``cast_run(y, bias, o)`` writes ``act`` of the float32 slice ``y`` (plus
+    ``bias``) rounded to ``o``'s type into ``o``;
     ``glu_row(g, h, bg, bh, o, out)`` writes the GLU row ``o`` of ``out`` from the gate half
     ``g`` and the other half ``h`` (plus their bias halves ``bg``/``bh``, or empty ones).  The
     bias test is made once per row and picks one of two inner loops: as a conditional per
@@ -112,6 +122,14 @@ def _row_loops(act):
             for e in range(b.size):
                 _store(b, e, act(_load(b, e)))
 
+    def cast_run(y, bias, o):
+        if bias.size:
+            for e in range(o.size):
+                _store(o, e, act(_round_as(o, _load(y, e) + _load(bias, e))))
+        else:
+            for e in range(o.size):
+                _store(o, e, act(_round_as(o, _load(y, e))))
+
     def glu_row(g, h, bg, bh, o, out):
         if bg.size:
             for j in range(o.size):
@@ -120,12 +138,12 @@ def _row_loops(act):
         else:
             for j in range(o.size):
                 _store(o, j, _round_as(out, act(_load(g, j))) * _load(h, j))
-    return run, glu_row
+    return run, cast_run, glu_row
 
 
-_gelu_tanh_run, _glu_gelu_tanh_row = _row_loops(_gelu_tanh)
-_gelu_run, _glu_gelu_row = _row_loops(_gelu_erf)
-_silu_run, _glu_silu_row = _row_loops(_silu)
+_gelu_tanh_run, _cast_gelu_tanh_run, _glu_gelu_tanh_row = _row_loops(_gelu_tanh)
+_gelu_run, _cast_gelu_run, _glu_gelu_row = _row_loops(_gelu_erf)
+_silu_run, _cast_silu_run, _glu_silu_row = _row_loops(_silu)
 
 
 def _inplace_gelu_tanh(buf, bias, total, chunk, n, ld):
@@ -147,6 +165,32 @@ def _inplace_silu(buf, bias, total, chunk, n, ld):
         r0, r1, off, size, step = _task_rows(t, total, chunk, n, ld)
         for r in range(r0, r1):
             _silu_run(buf[off + r * step:off + r * step + size], bias)
+
+
+def _cast_gelu_tanh(y, bias, out, total, chunk, n, ld):
+    # y: float32, contiguous: flat runs (r is 0 there) or rows of n; out: the same flat runs,
+    # or rows at stride ld
+    for t in prange((total + chunk - 1) // chunk):
+        r0, r1, off, size, step = _task_rows(t, total, chunk, n, ld)
+        for r in range(r0, r1):
+            _cast_gelu_tanh_run(y[off + r * n:off + r * n + size],
+                                bias, out[off + r * step:off + r * step + size])
+
+
+def _cast_gelu(y, bias, out, total, chunk, n, ld):
+    for t in prange((total + chunk - 1) // chunk):
+        r0, r1, off, size, step = _task_rows(t, total, chunk, n, ld)
+        for r in range(r0, r1):
+            _cast_gelu_run(y[off + r * n:off + r * n + size], bias,
+                           out[off + r * step:off + r * step + size])
+
+
+def _cast_silu(y, bias, out, total, chunk, n, ld):
+    for t in prange((total + chunk - 1) // chunk):
+        r0, r1, off, size, step = _task_rows(t, total, chunk, n, ld)
+        for r in range(r0, r1):
+            _cast_silu_run(y[off + r * n:off + r * n + size], bias,
+                           out[off + r * step:off + r * step + size])
 
 
 def _glu_gelu_tanh(y, bias, out, rows, n, gate_off, other_off):
@@ -173,8 +217,9 @@ def _glu_silu(y, bias, out, rows, n, gate_off, other_off):
                       out[r * n:r * n + n], out)
 
 
-_PY_KERNELS = {"gelu_tanh": (_inplace_gelu_tanh, _glu_gelu_tanh),
-               "gelu": (_inplace_gelu, _glu_gelu), "silu": (_inplace_silu, _glu_silu)}
+_PY_KERNELS = {"gelu_tanh": (_inplace_gelu_tanh, _glu_gelu_tanh, _cast_gelu_tanh),
+               "gelu": (_inplace_gelu, _glu_gelu, _cast_gelu),
+               "silu": (_inplace_silu, _glu_silu, _cast_silu)}
 
 
 def _register_helpers(numba) -> None:
@@ -186,7 +231,8 @@ def _register_helpers(numba) -> None:
     register_jitable(_gelu_tanh)
     register_jitable(_gelu_erf)
     for fn in (_task_rows, _gelu_tanh_run, _gelu_run, _silu_run, _glu_gelu_tanh_row,
-               _glu_gelu_row, _glu_silu_row):
+               _glu_gelu_row, _glu_silu_row, _cast_gelu_tanh_run, _cast_gelu_run,
+               _cast_silu_run):
         register_jitable(inline="always")(fn)
 
 
@@ -200,7 +246,8 @@ _KERNELS = {act: _numba.once(globals(), lambda numba, fns=fns: tuple(
 
 
 def _jit(act: str):
-    """(in-place kernel, gated kernel) for ``act`` (each compiles per dtype when first called)."""
+    """(in-place kernel, gated kernel, rounding kernel) for ``act`` (each compiles per dtype when
+    first called)."""
     return _KERNELS[act]()
 
 
@@ -241,7 +288,7 @@ def activate_cpu(buf: torch.Tensor, act: str, bias: torch.Tensor | None = None) 
     returns ``buf``.  ``buf`` is contiguous, or 2-D with unit column stride and rows at any
     stride (a part of a concatenation that the plan placed in a strided slice:
     ``strided_out``)."""
-    inplace, _ = _jit(act)
+    inplace = _jit(act)[0]
     _set_threads()
     total = buf.numel()
     if not total:
@@ -267,7 +314,7 @@ def glu_cpu(y: torch.Tensor, out: torch.Tensor, act: str, gate: int,
     """``out = round(act(y[:, gate half])) * y[:, other half]`` for contiguous ``y`` ``[M, 2N]``
     and ``out`` ``[M, N]`` of one dtype that do not overlap, with ``y + bias`` instead of ``y``
     when a ``[2N]`` bias is given (float32 sums); returns ``out``."""
-    _, glu = _jit(act)
+    glu = _jit(act)[1]
     _set_threads()
     m, n = out.shape
     if out.numel():
@@ -276,14 +323,49 @@ def glu_cpu(y: torch.Tensor, out: torch.Tensor, act: str, gate: int,
     return out
 
 
+def cast_activate_cpu(y: torch.Tensor, out: torch.Tensor, act: str,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``out = act(round(y))`` (``act(round(y + bias))`` with a ``[N]`` float32 bias over the
+    columns): ``y`` a contiguous float32 ``[M, N]``, ``round`` to ``out``'s 16-bit dtype, the
+    activation of the rounded value in float32, rounded again.  ``out`` is ``[M, N]``,
+    contiguous or with rows at any stride (unit column stride), overlapping no input; returns
+    ``out``."""
+    cast = _jit(act)[2]
+    _set_threads()
+    if y.dtype != torch.float32 or not y.is_contiguous() or y.dim() != 2 or \
+            out.dtype not in (torch.bfloat16, torch.float16) or out.shape != y.shape or \
+            out.stride(-1) != 1 or out.stride(0) < out.shape[1]:
+        raise ValueError(f"cast_activate_cpu: y must be a contiguous 2-D float32 tensor and out "
+                         f"a 16-bit one of its shape with unit column stride, got y "
+                         f"{tuple(y.shape)} {y.dtype} strides {y.stride()}, out "
+                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
+    m, n = y.shape
+    if not y.numel():
+        return out
+    yf = _np(y)
+    if out.is_contiguous() and bias is None:
+        cast(yf, _no_bias(yf.dtype), _np(out), m * n, _CHUNK, 1, 0)
+        return out
+    ld = out.stride(0)
+    cast(yf, _bias_np(bias, yf, n, "cast_activate_cpu"), _flat(out, (m - 1) * ld + n), m * n,
+         max(1, _CHUNK // n) * n, n, ld)
+    return out
+
+
 def why_not(x: Any, w: Any, bias: Any, out_dtype: Any, act: Any, gated: Any) -> str | None:
     """None when the fused step computes the chain for tensors with these metadata
     (``fxbackend.TensorMeta``), else a short reason.  Never raises.  Handled: 2-D x and w on
     the CPU of one dtype float32/bf16/fp16 (any strides: the GEMM is torch's), any bias torch's
-    addmm takes, the activations of ``ACTS``."""
+    addmm takes, the activations of ``ACTS``; not gated, float32 x, w and bias with a 16-bit
+    output (the GEMM's result rounded: ``cast_activate_cpu``)."""
     try:
         if act not in _ACT_ID:
             return f"activation {act!r} (one of {ACTS})"
+        rounded = isinstance(x, fxbackend.TensorMeta) and x.dtype == torch.float32 and \
+            out_dtype in (torch.bfloat16, torch.float16)
+        if rounded and gated:
+            return "a gated chain rounding its float32 GEMM result (no kernel for it)"
+        gemm_dtype = torch.float32 if rounded else out_dtype
         for label, m in (("x", x), ("w", w), ("bias", bias)):
             if m is None and label == "bias":
                 continue
@@ -291,8 +373,8 @@ def why_not(x: Any, w: Any, bias: Any, out_dtype: Any, act: Any, gated: Any) -> 
                 return f"{label} is not a tensor"
             if m.device.type != "cpu":
                 return f"{label} on {m.device} (the CPU kernel)"
-            if m.dtype != out_dtype:
-                return f"{label} dtype {m.dtype} differs from the output's {out_dtype}"
+            if m.dtype != gemm_dtype:
+                return f"{label} dtype {m.dtype} differs from the GEMM's {gemm_dtype}"
         if out_dtype not in _NP_OF:
             return f"dtype {out_dtype} (float32, bfloat16 or float16)"
         if len(x.shape) != 2 or len(w.shape) != 2:
@@ -308,15 +390,21 @@ def why_not(x: Any, w: Any, bias: Any, out_dtype: Any, act: Any, gated: Any) -> 
         return f"metadata not understood ({type(exc).__name__}: {exc})"
 
 
-def compile_kernels(dtype: torch.dtype, act: str, gated: bool | None = None) -> None:
+def compile_kernels(dtype: torch.dtype, act: str, gated: bool | None = None,
+                    rounded: bool = False) -> None:
     """Compile (or load from the disk cache) the kernels for ``dtype`` and ``act`` by calls
     with no elements on exactly the types a launch passes: the in-place one (``gated``
-    False), the gated one (True) or both (None).  A cold compile of one takes seconds (the
-    in-place tanh GELU about 6 s here), so plans compile only what they launch.
+    False), the gated one (True) or both (None); with ``rounded``, the one that rounds a
+    float32 GEMM result to the 16-bit ``dtype`` instead.  A cold compile of one takes seconds
+    (the in-place tanh GELU about 6 s here), so plans compile only what they launch.
     Thread-safe."""
-    inplace, glu = _jit(act)
+    inplace, glu, cast = _jit(act)
     z = np.zeros(0, _NP_OF[dtype])
     with _compile_lock:
+        if rounded:
+            z32 = np.zeros(0, np.float32)
+            cast(z32, z32, z, 0, _CHUNK, 1, 0)
+            return
         if gated is not True:
             inplace(z, z, 0, _CHUNK, 1, 0)
         if gated is not False:
@@ -335,9 +423,17 @@ class LinearActCPU:
         return why_not(x, w, bias, out_dtype, act, gated)
 
     def compile(self, x, w, bias, out_dtype, act, gated):
-        compile_kernels(out_dtype, act, bool(gated))
+        compile_kernels(out_dtype, act, bool(gated), rounded=x.dtype != out_dtype)
 
     def run(self, x, w, bias, y, out, *, act, gate, beta, alpha):
+        if y.dtype != out.dtype:  # a rounded chain: y float32 workspace, out 16-bit
+            if _bias_in_pass(bias, y, beta, alpha):
+                torch.mm(x, w, out=y)
+                cast_activate_cpu(y, out, act, bias)
+            else:
+                gemm_into(y, x, w, bias, beta, alpha)
+                cast_activate_cpu(y, out, act)
+            return
         if _bias_in_pass(bias, y, beta, alpha):
             # mm, then the bias added in the pass (as Inductor does with an addmm whose result
             # only pointwise ops read): no copy of the bias into y before the GEMM, no read of

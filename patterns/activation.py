@@ -4,10 +4,13 @@ reference.
 ATen lowers ``nn.Linear`` on a ``[B, S, K]`` input to ``view -> addmm(bias, x2d, t(W)) -> view``
 (``mm`` without a bias); diffusers' feed-forwards follow it with an activation:
 
-- ``linear_act``: ``addmm|mm [-> view]* -> act [-> clone]`` with ``act`` one of
-  ``gelu(approximate="tanh")`` (Flux, SD3, PixArt ``GELU(approximate="tanh")``),
+- ``linear_act``: ``addmm|mm [-> _to_copy] [-> view]* -> act [-> clone]`` with ``act`` one
+  of ``gelu(approximate="tanh")`` (Flux, SD3, PixArt ``GELU(approximate="tanh")``),
   ``gelu`` (erf) and ``silu`` (timestep embeddings); the trailing ``clone`` is the contiguous
-  copy that ``FeedForward``'s dropout/reshape leaves in the functional graph.
+  copy that ``FeedForward``'s dropout/reshape leaves in the functional graph.  The
+  ``_to_copy`` is the rounding of a float32 GEMM to a 16-bit dtype that ``compute_in_float32``
+  (``patterns/upcast.py``) leaves where a 16-bit model computes its GEMMs in float32: the
+  step's kernel then sees float32 ``x``/``w``/``bias`` and a 16-bit output.
 - ``linear_glu``: ``addmm|mm [-> view]* -> split(N, -1) -> getitem, getitem -> act(one half)
   -> mul(other half, act) [-> clone]``: diffusers ``GEGLU`` (``hidden, gate = proj(x).chunk(2,
   -1); hidden * gelu(gate)``, UNet2DConditionModel's transformer blocks) and a packed SwiGLU
@@ -21,8 +24,9 @@ output (``linear_glu``), so the chain's intermediates (the activation before the
 strided halves, the activation of the gate, the product before the clone) are never written.
 
 Meaning (:func:`linear_act_reference`): each step's own rounding, as the unfused chain; for
-16-bit dtypes the GEMM result is rounded to the dtype, the activation computes in float32 and
-rounds, and (gated) the product is ``round(float(act) * float(other))``.
+16-bit dtypes the GEMM result is rounded to the dtype (a float32 GEMM followed by the cast: its
+float32 result, rounded once), the activation computes in float32 and rounds, and (gated) the
+product is ``round(float(act) * float(other))``.
 """
 from __future__ import annotations
 
@@ -72,11 +76,14 @@ def movable_bias(out_dtype, bias_dtype, bias_shape: tuple, bias_contiguous: bool
 
 
 def linear_act_reference(x, w, bias, act: str, gate: int | None = None, beta=1,
-                         alpha=1) -> torch.Tensor:
+                         alpha=1, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The unfused chain on 2-D tensors: ``act(addmm(bias, x, w))`` (``[M, N]``), or gated
     (``gate`` 0 or 1: which half of the ``[M, 2N]`` GEMM result is activated)
-    ``act(half[gate]) * half[1 - gate]`` (``[M, N]``)."""
+    ``act(half[gate]) * half[1 - gate]`` (``[M, N]``).  ``out_dtype`` other than x's: the
+    GEMM result is cast to it first (the chain's ``_to_copy``)."""
     y = torch.mm(x, w) if bias is None else torch.addmm(bias, x, w, beta=beta, alpha=alpha)
+    if out_dtype is not None and out_dtype != y.dtype:
+        y = y.to(out_dtype)
     if gate is None:
         return act_reference(y, act)
     halves = y.chunk(2, dim=-1)
@@ -110,6 +117,16 @@ def _gemm_parts(g):
     return g.srcs[1], g.srcs[2], g.srcs[0], g.params.get("beta", 1), g.params.get("alpha", 1)
 
 
+def _is_rounding(n, g) -> bool:
+    """Whether ``n`` is ``_to_copy(g) {dtype=16-bit}`` of the float32 GEMM ``g``: same shape,
+    dense, nothing else changed."""
+    return n.op == "aten._to_copy.default" and n.srcs == [g] and \
+        g.meta.dtype == torch.float32 and set(n.params) == {"dtype"} and \
+        n.params["dtype"] in (torch.bfloat16, torch.float16) and _dense(n.meta) and \
+        n.meta.dtype == n.params["dtype"] and tuple(n.meta.shape) == tuple(g.meta.shape) and \
+        n.meta.device == g.meta.device
+
+
 def _users_after(graph, k: int, node) -> list:
     return [u for u in graph.nodes[k + 1:] if node in u.srcs]
 
@@ -122,7 +139,10 @@ class _LinearRule:
     None; metadata only, never raises), optional ``compile(x, w, bias, out_dtype, act, gated)``
     (plan time) and ``run(x, w, bias, y, out, *, act, gate, beta, alpha)``: the GEMM into
     ``y`` (2-D, contiguous; ``out`` itself for ``linear_act``) and the activation pass into
-    ``out`` (2-D, contiguous, overlapping no input).
+    ``out`` (2-D, contiguous, overlapping no input).  A rounded chain (the GEMM in float32,
+    then ``_to_copy`` to 16 bits) gives float32 ``x``/``w``/``bias`` and a 16-bit
+    ``out_dtype``, and ``y`` is float32 workspace: a kernel that does not round its float32
+    GEMM result declines ``x`` of another dtype than the output's.
     """
 
     priority = 5
@@ -143,6 +163,7 @@ class _LinearRule:
     @staticmethod
     def _head(graph, i: int):
         """(gemm, index after the views, last node so far) for a GEMM whose result is only
+        rounded to 16 bits (a float32 GEMM's ``_to_copy``, see the module docstring) and
         reshaped (contiguous views of the same numel) before its consumer, or None."""
         nodes = graph.nodes
         g = nodes[i]
@@ -151,6 +172,8 @@ class _LinearRule:
         if g.meta.dtype not in _DTYPES or not _dense(g.meta):
             return None
         k, prev = i + 1, g
+        if k < len(nodes) and _is_rounding(nodes[k], g):
+            k, prev = k + 1, nodes[k]
         while k < len(nodes) and nodes[k].op in _VIEWS and nodes[k].srcs == [prev] and \
                 _dense(nodes[k].meta) and int(nodes[k].meta.shape[-1]) == \
                 int(g.meta.shape[-1]) and _numel(nodes[k].meta) == _numel(g.meta):
@@ -189,7 +212,8 @@ class _LinearRule:
             assert item.srcs[0] is split
         return dict(x=x, w=w, bias=bias, beta=beta, alpha=alpha, act=_act_of(act_node),
                     gate=gate, m=int(g.meta.shape[0]), n2=int(g.meta.shape[1]),
-                    dtype=g.meta.dtype, itemsize=g.meta.itemsize)
+                    dtype=g.meta.dtype, itemsize=g.meta.itemsize,
+                    rounded=g.meta.dtype != act_node.meta.dtype)
 
     def compile(self, node) -> None:
         comp = getattr(self.impl, "compile", None)
@@ -200,7 +224,8 @@ class _LinearRule:
 
     def prepare(self, node):
         p = self._parts(node)
-        ws = p["m"] * p["n2"] * p["itemsize"] if self.gated else 0
+        # the GEMM result in workspace: gated (the [M, 2N] halves) or rounded (float32)
+        ws = p["m"] * p["n2"] * p["itemsize"] if self.gated or p["rounded"] else 0
         return p, ws
 
     def execute(self, ctx, node, state, inputs, out, workspace) -> None:
@@ -212,6 +237,9 @@ class _LinearRule:
         if self.gated:
             y = workspace[:m * n2 * p["itemsize"]].view(p["dtype"]).view(m, n2)
             o = out.view(m, n2 // 2)
+        elif p["rounded"]:
+            y = workspace[:m * n2 * p["itemsize"]].view(p["dtype"]).view(m, n2)
+            o = out.view(m, n2)
         else:
             y = o = out.view(m, n2)
         self.impl.run(x, w, bias, y, o, act=p["act"], gate=p["gate"], beta=p["beta"],
@@ -219,7 +247,8 @@ class _LinearRule:
 
 
 class LinearActFusion(_LinearRule):
-    """Fusion rule ``linear_act``: ``addmm|mm [-> view]* -> gelu|gelu_tanh|silu [-> clone]``
+    """Fusion rule ``linear_act``: ``addmm|mm [-> _to_copy] [-> view]* -> gelu|gelu_tanh|silu
+    [-> clone]``
     (see the module docstring).  Declines (with the kernel's reason) what ``impl.why_not``
     declines."""
 
@@ -236,7 +265,7 @@ class LinearActFusion(_LinearRule):
             return 0
         a = nodes[k]
         if _act_of(a) is None or a.srcs != [prev] or not _dense(a.meta) or \
-                a.meta.dtype != g.meta.dtype:
+                a.meta.dtype != prev.meta.dtype:
             return 0
         chain = nodes[i:k + 1]
         if k + 1 < len(nodes) and self._is_clone(nodes[k + 1], a) and \
@@ -278,6 +307,8 @@ class LinearGluFusion(_LinearRule):
         if any(t.op != "getitem" or t.srcs != [sp] for t in items) or \
                 {int(t.params.get("index", -1)) for t in items} != {0, 1}:
             return 0
+        if prev.meta.dtype != g.meta.dtype:  # a rounded GEMM: no gated kernel for it
+            return 0
         if _act_of(a) is None or len(a.srcs) != 1 or a.srcs[0] not in items or \
                 a.meta.dtype != g.meta.dtype:
             return 0
@@ -304,4 +335,4 @@ class ReferenceLinearAct:
         return None
 
     def run(self, x, w, bias, y, out, *, act, gate, beta, alpha):
-        out.copy_(linear_act_reference(x, w, bias, act, gate, beta, alpha))
+        out.copy_(linear_act_reference(x, w, bias, act, gate, beta, alpha, out.dtype))

@@ -14,7 +14,8 @@ from diffusers.models.attention import FeedForward
 import fxbackend
 import fxbackend.cpu_kernels.activation  # noqa: F401  (registers the CPU rules)
 import fxbackend.cuda_kernels.activation  # noqa: F401  (registers the CUDA rules)
-from fxbackend.cpu_kernels.activation import LinearActCPU, activate_cpu, glu_cpu
+from fxbackend.cpu_kernels.activation import (LinearActCPU, activate_cpu, cast_activate_cpu,
+                                              glu_cpu)
 from fxbackend.patterns.activation import (ACTS, LinearActFusion, ReferenceLinearAct,
                                            act_reference, linear_act_reference)
 
@@ -114,6 +115,78 @@ def test_bias_added_in_the_pass(m, n, ld, act, dtype):
     yb = y.float() + b2.float()
     want = act_reference(yb[:, :n], act).to(dtype).float() * yb[:, n:]
     torch.testing.assert_close(out, want.to(dtype), atol=atol * 4, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("m,k,n", SHAPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_rounded_chain_matches_reference(m, k, n, act, dtype, bias):
+    # a float32 GEMM rounded to 16 bits, then the activation (compute_in_float32's chain):
+    # float32 workspace, the 16-bit output on contiguous rows and on rows at a larger stride
+    x, w, b = _operands(m, k, n, F32, bias=bias)
+    want = linear_act_reference(x, w, b, act, out_dtype=dtype)
+    assert want.dtype == dtype
+    atol, rtol = TOL[dtype]
+    scale = want.float().abs().max().item()
+    for ld in (n, n + 3):
+        base = torch.full((m, ld), 7.0, dtype=dtype)
+        out = base[:, :n]
+        y = torch.full((m, n), float("nan"))
+        LinearActCPU().run(x, w, b, y, out, act=act, gate=None, beta=1, alpha=1)
+        torch.testing.assert_close(out, want, atol=atol * scale, rtol=rtol)
+        assert (base[:, n:] == 7).all()  # nothing written between the rows
+    # the pass alone rounds before the activation: exactly act(round(y)) up to its own rounding
+    y = torch.randn(m, n) * 3
+    out = cast_activate_cpu(y, torch.empty(m, n, dtype=dtype), act)
+    torch.testing.assert_close(out, act_reference(y.to(dtype), act), atol=atol, rtol=rtol)
+
+
+def test_rounded_pass_checks_its_operands():
+    y = torch.randn(4, 6)
+    for bad_y, bad_out in ((y.bfloat16(), torch.empty(4, 6, dtype=BF16)),  # y not float32
+                           (y.t(), torch.empty(6, 4, dtype=BF16)),  # y not contiguous
+                           (y, torch.empty(4, 6)),  # out not 16-bit
+                           (y, torch.empty(4, 5, dtype=BF16)),  # shapes differ
+                           (y, torch.empty(6, 4, dtype=BF16).t())):  # column stride
+        with pytest.raises(ValueError, match="cast_activate_cpu: y must be"):
+            cast_activate_cpu(bad_y, bad_out, "silu")
+    with pytest.raises(ValueError, match="bias must be a contiguous"):
+        cast_activate_cpu(y, torch.empty(4, 6, dtype=BF16), "silu", torch.randn(6).bfloat16())
+
+
+@pytest.mark.cpu_profile
+@pytest.mark.parametrize("name", ["feed_forward", "silu", "geglu"])
+def test_rounded_chains_fuse_where_16bit_gemms_compute_in_float32(name, monkeypatch):
+    # FXB_CPU_PROFILE=avx2: bf16 GEMMs compute in float32 and round; linear_act fuses across
+    # the rounding (tanh GELU, SiLU), GEGLU (gated) has no rounding kernel and stays unfused;
+    # values as the unfused plan's and bf16 eager's up to one bf16 rounding
+    monkeypatch.setenv("FXB_CPU_PROFILE", "avx2")
+    make, rule = {"feed_forward": (lambda: _ff("gelu-approximate"), "linear_act"),
+                  "silu": (lambda: _LinearAct("silu"), "linear_act"),
+                  "geglu": (lambda: _ff("geglu"), None)}[name]
+    torch.manual_seed(1)
+    mod = make().to(BF16)
+    x = torch.randn(2, 11, 16).to(BF16)
+    with torch.no_grad():
+        ref = mod(x)
+        torch._dynamo.reset()
+        fxbackend.reset_stats()
+        fused = torch.compile(mod, backend="fxbackend")(x)
+        stats = fxbackend.stats()
+        torch._dynamo.reset()
+        unfused = torch.compile(mod, backend="fxbackend", options={"fusion": False})(x)
+    assert stats["rewrites_by_rule"].get("compute_in_float32", 0) >= 1
+    fires = {k: v for k, v in stats["fusions_by_rule"].items() if k.startswith("linear_")}
+    assert fires == ({rule: 1} if rule else {})
+    atol, rtol = TOL[BF16]
+    scale = ref.float().abs().max().item()
+    torch.testing.assert_close(fused, unfused, atol=atol * scale, rtol=rtol)
+    torch.testing.assert_close(fused, ref, atol=2 * atol * scale, rtol=2 * rtol)
+    if rule:
+        text = fxbackend.explain(mod, x)
+        assert "fused.linear_act" in text and "aten.gelu" not in text and \
+            "aten.silu" not in text, text
 
 
 def test_bias_of_the_pass_is_checked():
