@@ -39,7 +39,7 @@ import statistics
 import time
 
 import torch
-from benchstats import describe, goal_met, verdict
+from benchstats import describe, goal_word, verdict
 
 import fxbackend.cpu_kernels.activation  # noqa: F401
 from fxbackend.cpu_kernels.activation import LinearActCPU, compile_kernels, glu_cpu
@@ -163,7 +163,7 @@ def _goal(v: dict) -> str:
     """The goal line of a row's verdicts (scripts/benchstats.py): faster than eager ("ahead")
     and not slower than Inductor (not "behind")."""
     return (f"vs eager {describe(v['eager'])}, vs inductor {describe(v['inductor'])}: "
-            f"{'met' if goal_met(v['eager'], v['inductor']) else 'MISSED'}")
+            f"{goal_word(v['eager'], v['inductor'])}")
 
 
 def main():

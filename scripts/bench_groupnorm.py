@@ -51,7 +51,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from benchstats import describe, goal_met, verdict
+from benchstats import describe, goal_met, goal_word, verdict
 
 #: name -> (N, C, H, W, groups, eps, where): SD1.5 UNet (block_out_channels 320/640/1280/1280,
 #: norm_num_groups 32, resnet eps 1e-5), 512x512 images -> 64x64 latents, batch 2 (CFG)
@@ -73,7 +73,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--calls", type=int, default=5, help="timed calls per round")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-inductor", action="store_true")
     p.add_argument("--json", default="bench_results/bench_groupnorm.json")
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
                     goals_met &= ok
                 print("    " + "  ".join(f"{k} {x:.2f}x" for k, x in ratios.items())
                       + "  paired: " + ", ".join(f"{o} {describe(x)}" for o, x in v.items())
-                      + ("  (goals met)" if ok else "  (goal missed)")
+                      + f"  (goal {goal_word(v['eager'], v.get('inductor'))})"
                       + (f"  [{r['note']}]" if "note" in r else ""))
     print(f"goals (kernel faster than eager: paired ratio's 95% interval above 1; not slower "
           f"than Inductor: not below 1) {'met' if goals_met else 'NOT met'} on every row the "

@@ -37,11 +37,14 @@ def median_ci(values: list, level: float = 0.95) -> tuple[float, float]:
 def verdict(per_round: dict, num: str, den: str) -> tuple[str, float, float, float]:
     """``(word, paired median, ci low, ci high)`` for ``num / den`` per round (``num`` the
     reference's time, ``den`` the fused step's): "ahead" when the 95% interval of the median
-    lies above 1, "behind" when below, else "level" (no difference the rounds can show)."""
+    lies above 1, "behind" when below, else "level" (no difference the rounds can show);
+    "too few rounds" with fewer than 6 (no interval: neither a lead nor a tie is shown)."""
     if num not in per_round or den not in per_round:
         return "n/a", float("nan"), float("nan"), float("nan")
     ratios = [a / b for a, b in zip(per_round[num], per_round[den])]
     lo, hi = median_ci(ratios)
+    if math.isnan(lo):
+        return "too few rounds", statistics.median(ratios), lo, hi
     word = "ahead" if lo > 1 else "behind" if hi < 1 else "level"
     return word, statistics.median(ratios), lo, hi
 
@@ -53,8 +56,17 @@ def describe(v: tuple) -> str:
 
 def goal_met(vs_eager: tuple, vs_inductor: tuple | None = None) -> bool:
     """The kernel benchmarks' goal on two verdicts (other's time / the kernel's): faster than
-    eager ("ahead") and, when measured, not slower than Inductor (not "behind")."""
-    return vs_eager[0] == "ahead" and (vs_inductor is None or vs_inductor[0] != "behind")
+    eager ("ahead") and, when measured, not slower than Inductor (neither "behind" nor
+    undecided)."""
+    return vs_eager[0] == "ahead" and (vs_inductor is None or vs_inductor[0] in ("ahead", "level"))
+
+
+def goal_word(vs_eager: tuple, vs_inductor: tuple | None = None) -> str:
+    """:func:`goal_met` as the word a benchmark prints: "met", "MISSED", or "undecided (fewer
+    than 6 rounds)" when a verdict had too few rounds to give an interval."""
+    if any(v is not None and v[0] == "too few rounds" for v in (vs_eager, vs_inductor)):
+        return "undecided (fewer than 6 rounds)"
+    return "met" if goal_met(vs_eager, vs_inductor) else "MISSED"
 
 
 def cpu_header() -> str:

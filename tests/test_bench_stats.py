@@ -48,6 +48,8 @@ def test_verdicts():
     word, med, lo, hi = bench.verdict(noisy, "ind", "f")
     assert word == "level" and lo < 1 < hi and med == 1.0
     assert bench.verdict({"f": [1.0] * 15}, "ind", "f")[0] == "n/a"
+    # five rounds give no interval: neither a lead nor a tie is shown
+    assert bench.verdict({"ind": [1.0] * 5, "f": [0.5] * 5}, "ind", "f")[0] == "too few rounds"
 
 
 def test_describe_and_goal_met():
@@ -56,3 +58,7 @@ def test_describe_and_goal_met():
     assert bench.describe(ahead) == "ahead 1.200 [1.100, 1.300]"
     assert bench.goal_met(ahead, level) and bench.goal_met(ahead) and bench.goal_met(ahead, ahead)
     assert not bench.goal_met(level, ahead) and not bench.goal_met(ahead, behind)
+    few = ("too few rounds", 1.2, math.nan, math.nan)
+    assert not bench.goal_met(ahead, few) and not bench.goal_met(few)
+    assert bench.goal_word(ahead, level) == "met" and bench.goal_word(level) == "MISSED"
+    assert bench.goal_word(ahead, few).startswith("undecided")
