@@ -41,15 +41,19 @@ phases, each a whole pass over its data:
    step (quantize + GEMM + epilogue) 3.8-5.5x.  It is exact here: the tests check it against
    a float64 product at the extremes of int8 (some int8 paths of older CPUs accumulate pairs
    in saturating int16).  Without VNNI or AMX-INT8 ``torch._int_mm`` crawls (~100x float32
-   on an AVX2-only CPU), so where the CPU profile's ``int8_gemm`` decision is
-   ``quantized_linear`` the GEMM runs through torch's quantized linear engine (fbgemm) instead:
-   the weight is quantized with 7-bit codes (its AVX2 kernels add two u8 x s8 products in
-   saturating 16 bits; 2 * 255 * 63 < 2^15) and prepacked once with it, the activation codes
-   go in as floats with scale 1 and zero point 128 (exact), and the engine's float32 result
-   (the int32 sum rounded to float32) is written back into the int32 accumulator, so the
-   epilogue and the fusions after it are the same (``fxbackend.cpu.quantized_linear_gemm``).
-3. the epilogue, one parallel pass over rows, in place (each int32 read before the float32 is
-   written to the same address, by the same iteration)::
+   on an AVX2-only CPU), so where the CPU profile's ``int8_gemm`` decision names a prepacked
+   engine the GEMM runs through torch's quantized linear instead: the weight is quantized
+   with 7-bit codes (the engines' AVX2 kernels add two u8 x s8 products in saturating 16 bits;
+   2 * 255 * 63 < 2^15) and prepacked once.  ``onednn_linear``: the activation codes shifted
+   to unsigned bytes with zero point 128, and oneDNN writes the float32 values of the int32
+   sums straight into the output's storage (``fxbackend.cpu.onednn_linear_gemm``): the
+   accumulator the kernels after the GEMM read is then float32 (``accumulator_dtype``; each
+   reads both).  ``quantized_linear`` (fbgemm): the codes go in as floats with scale 1 and
+   zero point 128 (exact) and the engine's float32 result is written back into the int32
+   accumulator (``fxbackend.cpu.quantized_linear_gemm``).  Either way the epilogue sees the
+   same values: float32 of the exact int32 sum.
+3. the epilogue, one parallel pass over rows, in place (each accumulator element read before
+   the float32 is written to the same address, by the same iteration)::
 
        out[m, n] = float32(acc[m, n]) * x_scale[m] * w_scale[n] + float32(bias[n])
 
@@ -77,8 +81,8 @@ import torch
 
 import fxbackend
 from fxbackend import TensorMeta, services
-from fxbackend.cpu import (int8_weight_max, int_mm_exact, quantized_linear_gemm,
-                           quantized_linear_pack)
+from fxbackend.cpu import (int8_weight_max, int_mm_exact, onednn_linear_gemm,
+                           onednn_linear_pack, quantized_linear_gemm, quantized_linear_pack)
 from fxbackend.patterns.int8 import (FLOATS, QMAX, REGULAR_HADAMARD_GROUPS, Int8Device,
                                      LinearKernel, QuantizeKernel, check_linear, hadamard_stages,
                                      int_dot, linear_node_why_not, quantize_direct,
@@ -89,7 +93,7 @@ from . import rope as _rope
 from .rope import _NP_OF, _compile_lock, _flat, _load, _set_threads, _store
 
 __all__ = ["quantize_i8_convrot_cpu", "quantize_rows_cpu", "linear_i8_cpu", "compile_kernels",
-           "linear_why_not", "DEVICE", "quantize_kernel", "linear_kernel"]
+           "linear_why_not", "DEVICE", "quantize_kernel", "linear_kernel", "accumulator_dtype"]
 
 #: ``numba.prange`` once numba is imported (see ``cpu_kernels/_numba.py``); ``range`` until then
 prange = range
@@ -103,6 +107,8 @@ _U0, _U1, _U2, _U3, _U4, _U8, _U16 = (np.uint64(v) for v in (0, 1, 2, 3, 4, 8, 1
 #: elements per parallel task of the quantize kernel at least (numba's per-task cost is ~1 us)
 _MIN_TASK_ELEMS = 16384
 _ABS_BITS = np.uint32(0x7FFFFFFF)
+#: the accumulator dtypes the kernels after the GEMM read (``accumulator_dtype``)
+_NP_ACC = {torch.int32: np.int32, torch.float32: np.float32}
 #: the operands of ``sd.linear_i8.v1`` in the order of ``check_linear``'s arguments
 _LINEAR_ARGS = ("x", "w", "w_scale", "x_scale", "bias")
 
@@ -265,8 +271,8 @@ def _quantize_kernel(x, q, scales, m, mp, k, nst, inv, chunk):
 
 def _epilogue_kernel(acc, out, xs, ws, b, m, n, has_b):
     """``out = float32(acc) * xs[row] * ws + b`` row by row in parallel, rounded once to out's
-    dtype (float32, or 16-bit bits: ``int8_linear_cast``); ``acc`` (int32) and a float32
-    ``out`` may be the same memory."""
+    dtype (float32, or 16-bit bits: ``int8_linear_cast``); ``acc`` (int32, or float32 holding
+    the int32 sums' float32 values) and a float32 ``out`` may be the same memory."""
     nu = np.uint64(n)
     for row in prange(m):
         r = np.uint64(row)
@@ -298,11 +304,12 @@ _jit = _numba.once(globals(), _build, requires=(_rope._register,))
 
 def compile_kernels(x_dtype: torch.dtype | None = torch.float32,
                     bias_dtype: torch.dtype | None = None, epilogue: bool = True,
-                    out_dtype: torch.dtype = torch.float32) -> None:
+                    out_dtype: torch.dtype = torch.float32,
+                    acc_dtype: torch.dtype = torch.int32) -> None:
     """Compile (or load from the disk cache) the quantize kernel for ``x_dtype`` (None: not
-    needed) and the epilogue for ``bias_dtype`` (None: no bias) and ``out_dtype``, by calls
-    with no rows on exactly the types a launch passes.  Thread-safe (plans compile nodes in
-    parallel)."""
+    needed) and the epilogue for ``bias_dtype`` (None: no bias), ``out_dtype`` and the
+    accumulator's ``acc_dtype`` (int32, or float32: :func:`accumulator_dtype`), by calls with no rows
+    on exactly the types a launch passes.  Thread-safe (plans compile nodes in parallel)."""
     quant, epi = _jit()
     with _compile_lock:  # see rope's compile_kernels
         if x_dtype is not None:
@@ -310,8 +317,9 @@ def compile_kernels(x_dtype: torch.dtype | None = torch.float32,
                   0, 0, 4, 1, np.float32(0.5), 1)
         if epilogue:
             b = np.zeros(0, _NP_OF[bias_dtype or torch.float32])
-            epi(np.zeros(0, np.int32), np.zeros(0, _NP_OF[out_dtype]), np.zeros(0, np.float32),
-                np.zeros(0, np.float32), b, 0, 4, bias_dtype is not None)
+            epi(np.zeros(0, _NP_ACC[acc_dtype]), np.zeros(0, _NP_OF[out_dtype]),
+                np.zeros(0, np.float32), np.zeros(0, np.float32), b, 0, 4,
+                bias_dtype is not None)
 
 
 # -- launchers ----------------------------------------------------------------------------------
@@ -451,59 +459,75 @@ def _epilogue_rows(acc, out, xs, ws, bias) -> None:
 #: profile -> the int8 GEMM path its ``int8_gemm`` decision names (profiles are cached
 #: objects, so this is a lookup per call)
 _engines: dict = {}
-#: int8 weights this file quantized for the quantized linear engine -> their prepacked form
-#: (held while the weight is: a weight state replaces its tensors when the weight changes)
-_packed: dict = {}  # id(weight) -> (weakref to it, packed); dropped with the weight
+#: int8 weights this file quantized for a prepacked engine -> that engine and the prepacked
+#: form (held while the weight is: a weight state replaces its tensors when the weight changes)
+_packed: dict = {}  # id(weight) -> (weakref to it, engine, packed); dropped with the weight
 _pack_lock = threading.Lock()
+#: the prepacked engines: ``(pack, gemm, accumulator dtype)``; oneDNN's writes the float32
+#: values of the int32 accumulator (``fxbackend.cpu.onednn_linear_gemm``)
+_PREPACKED = {"quantized_linear": (quantized_linear_pack, quantized_linear_gemm, torch.int32),
+              "onednn_linear": (onednn_linear_pack, onednn_linear_gemm, torch.float32)}
 
 
 def _engine() -> tuple[str, int]:
     """``(int8 GEMM path, largest weight code)`` for this process's CPU profile
-    (``fxbackend.cpu``: ``int_mm`` or ``quantized_linear``; ``float32`` plans have no INT8
-    step, and a step run anyway takes ``int_mm``, exact everywhere)."""
+    (``fxbackend.cpu``: ``int_mm``, ``onednn_linear`` or ``quantized_linear``; ``float32``
+    plans have no INT8 step, and a step run anyway takes ``int_mm``, exact everywhere)."""
     p = fxbackend.cpu_profile()
     got = _engines.get(p)
     if got is None:
         choice = p.decide("int8_gemm").choice
-        got = _engines[p] = (choice if choice == "quantized_linear" else "int_mm",
-                             int8_weight_max(p))
+        got = _engines[p] = (choice if choice in _PREPACKED else "int_mm", int8_weight_max(p))
     return got
 
 
-def _gemm(qx: torch.Tensor, qw: torch.Tensor, acc: torch.Tensor) -> None:
-    """``acc = qx @ qw.T`` (int32): through the prepacked quantized linear where this file
-    quantized and packed ``qw`` for it (only where the profile chose that engine: its codes
-    then fit the engine's 16-bit pair sums; a lookup, no profile read per call), else
-    ``torch._int_mm`` where it is exact (``fxbackend.cpu.int_mm_exact``), else a float64
-    product (exact; an int8 weight the plan did not quantize on a CPU whose int8 kernels
-    saturate)."""
+def accumulator_dtype(w_kind: str) -> torch.dtype:
+    """The dtype of the accumulator :func:`_gemm` gives a linear with a weight of ``w_kind``
+    under this process's profile: float32 (the int32 sums' float32 values) for a float weight
+    the plan prepacks for oneDNN, else int32.  The kernels after the GEMM read either; plans
+    compile the one they will get."""
+    return _PREPACKED[_engine()[0]][2] if w_kind == "float" and \
+        _engine()[0] in _PREPACKED else torch.int32
+
+
+def _gemm(qx: torch.Tensor, qw: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    """``qx @ qw.T`` into ``acc``'s storage (int32 ``[M, N]``), returned as the accumulator it
+    wrote: ``acc``, or ``acc`` viewed as float32 holding the int32 sums' float32 values
+    (oneDNN's engine).  Through the prepacked engine where this file quantized and packed
+    ``qw`` for it (only where the profile chose that engine: its codes then fit the engine's
+    16-bit pair sums; a lookup, no profile read per call), else ``torch._int_mm`` where it is
+    exact (``fxbackend.cpu.int_mm_exact``), else a float64 product (exact; an int8 weight the
+    plan did not quantize on a CPU whose int8 kernels saturate)."""
     held = _packed.get(id(qw))
     if held is not None and held[0]() is qw:
-        quantized_linear_gemm(qx, held[1], acc)
-        return
+        _, gemm, dtype = _PREPACKED[held[1]]
+        dst = acc if dtype == torch.int32 else acc.view(dtype)
+        gemm(qx, held[2], dst)
+        return dst
     if int_mm_exact():
         torch._int_mm(qx, qw.t(), out=acc)
     else:  # saturating int8 kernels (no VNNI): the references' exact product, slowly
         acc.copy_(int_dot(qx, qw))
+    return acc
 
 
 def _quantize_weight(w: torch.Tensor, group: int, w_i8: torch.Tensor,
                      w_scale: torch.Tensor) -> None:
     """A float weight into its int8 rows and scales: the numba kernel (8-bit codes), or for
-    the quantized linear engine on a CPU without VNNI the reference with 7-bit codes
+    a prepacked engine on a CPU without VNNI the reference with 7-bit codes
     (``int8_weight_max``), prepacked once for the engine."""
     n = w.shape[0]
     engine, qmax = _engine()
-    if engine == "quantized_linear" and qmax < QMAX:
+    if engine in _PREPACKED and qmax < QMAX:
         q, scale = quantize_weight_i8_reference(w, group, qmax)
         w_i8.copy_(q)
         w_scale.copy_(scale)
     else:
         quantize_rows_cpu(w, group, w_i8, w_scale, n, n)
-    if engine == "quantized_linear":
-        packed = quantized_linear_pack(w_i8)
+    if engine in _PREPACKED:
+        packed = _PREPACKED[engine][0](w_i8)
         with _pack_lock:
-            _packed[id(w_i8)] = (weakref.ref(w_i8), packed)
+            _packed[id(w_i8)] = (weakref.ref(w_i8), engine, packed)
         weakref.finalize(w_i8, _packed.pop, id(w_i8), None)
 
 
@@ -515,8 +539,8 @@ def _compile_quantize(x, m, mp, group, device) -> None:
     compile_kernels(x.dtype, None, epilogue=False)
 
 
-def _compile_epilogue(m, n, bias_dtype, out_dtype, device) -> None:
-    compile_kernels(None, bias_dtype, out_dtype=out_dtype)
+def _compile_epilogue(m, n, bias_dtype, out_dtype, device, w_kind="int8") -> None:
+    compile_kernels(None, bias_dtype, out_dtype=out_dtype, acc_dtype=accumulator_dtype(w_kind))
 
 
 #: the CPU's INT8 building blocks (``patterns/int8.Int8Device``): the registry kernels below and

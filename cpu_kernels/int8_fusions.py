@@ -19,8 +19,9 @@ compile with ``reassoc``):
   ``_expf`` (sigmoid here: ``1 / (1 + exp(-x))`` with that ``_expf``).
 
 Maths.  ``int8_gated_residual``, per output row r (b, s) and feature n, after
-``torch._int_mm(q_x, q_w.T)`` wrote the int32 accumulator (into the output's own storage when
-the output is contiguous, else into workspace)::
+the GEMM wrote the accumulator (``torch._int_mm``'s int32, or the float32 values of the
+int32 sums from oneDNN's engine: ``cpu_kernels/int8.accumulator_dtype``; into the output's own
+storage when the output is contiguous, else into workspace)::
 
     y[n]   = (float32(acc[r, n]) * x_scale[r]) * w_scale[n] + float32(bias[n])   -> scratch row
     t      = y * float32(s) | y / float32(s) | y
@@ -369,7 +370,8 @@ def _packed_views(out: torch.Tensor, m: int, k: int) -> tuple:
 
 def _gr_launch(acc, xs, ws, bias, gate, res, out, y_shape, scale_op, scale,
                dtype=torch.float32) -> None:
-    """The epilogue of ``int8_gated_residual`` (module docstring) from the int32 ``acc``."""
+    """The epilogue of ``int8_gated_residual`` (module docstring) from the accumulator ``acc``
+    (int32, or float32: ``cpu_kernels/int8.accumulator_dtype``)."""
     lay = epilogue_layout(tuple(y_shape), tuple(gate.shape), tuple(gate.stride()),
                           tuple(res.shape), tuple(res.stride()), tuple(out.stride()))
     if lay.spans[0] == 0:
@@ -474,8 +476,7 @@ def int8_linear_act_quantize_cpu(qx: torch.Tensor, x_scale: torch.Tensor, w: tor
     if out is None:
         out = torch.empty(packed_nbytes(M, N), dtype=torch.int8)
     _int8_call_check(who, metas, _why_not_act(M, N, TensorMeta.of(out), act, group))
-    acc = torch.empty(M, N, dtype=torch.int32)
-    _i8._gemm(qx, w, acc)
+    acc = _i8._gemm(qx, w, torch.empty(M, N, dtype=torch.int32))
     _actq_launch(acc, x_scale, w_scale, bias, out, act, group, dtype)
     return out
 
@@ -527,8 +528,7 @@ def int8_linear_act_cpu(qx: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor
     if out is None:
         out = torch.empty(M, N, dtype=dtype)
     _int8_call_check(who, metas, _why_not_act_out(M, N, TensorMeta.of(out), act, dtype))
-    acc = torch.empty(M, N, dtype=torch.int32)
-    _i8._gemm(qx, w, acc)
+    acc = _i8._gemm(qx, w, torch.empty(M, N, dtype=torch.int32))
     _act_launch(acc, x_scale, w_scale, bias, out, act, dtype)
     return out
 
@@ -722,30 +722,33 @@ def act_quantize_cpu(x: torch.Tensor, other: torch.Tensor | None = None,
     return out
 
 
-def compile_kernels(kind: str, dtype: torch.dtype | None, other_dtype=None) -> None:
+def compile_kernels(kind: str, dtype: torch.dtype | None, other_dtype=None,
+                    acc_dtype: torch.dtype = torch.int32) -> None:
     """Compile (or load from the disk cache) one kernel of this file by a call with no rows on
     exactly the types a launch passes: ``kind`` "gr" / "actq" / "act" (``dtype``: the bias's,
-    None: no bias; ``other_dtype``: the chain's dtype, None: float32),
+    None: no bias; ``other_dtype``: the chain's dtype, None: float32; ``acc_dtype``: the
+    accumulator's, ``cpu_kernels/int8.accumulator_dtype``),
     "mod" / "pre" (x's dtype), "rms" (x's dtype; ``other_dtype``: ``(weight dtype or None,
     the norm's output dtype)``).  Thread-safe."""
     k = _jit()[kind]
     z32 = np.zeros(0, np.float32)
     q = np.zeros(0, np.int8)
     bt = np.zeros((1, 4), np.int64)
+    acc = np.zeros(0, _i8._NP_ACC[acc_dtype])
     with _compile_lock:  # see rope's compile_kernels
         if kind == "gr":
             b = np.zeros(0, _NP_OF[dtype or torch.float32])
             y = np.zeros(0, _NP_OF[other_dtype or torch.float32])
-            k(np.zeros(0, np.int32), z32, z32, b, dtype is not None, y, y, y, 0, 1, 1,
+            k(acc, z32, z32, b, dtype is not None, y, y, y, 0, 1, 1,
               0, 0, 1, 0, 0, 1, 0, 0, 1, np.float32(1.0), 0, 1, y, y)
         elif kind == "actq":
             b = np.zeros(0, _NP_OF[dtype or torch.float32])
-            k(np.zeros(0, np.int32), z32, z32, b, dtype is not None, q, z32, 0, 0, 4, 1, 1,
+            k(acc, z32, z32, b, dtype is not None, q, z32, 0, 0, 4, 1, 1,
               np.float32(0.5), 1, np.zeros(0, _NP_OF[other_dtype or torch.float32]))
         elif kind == "act":
             b = np.zeros(0, _NP_OF[dtype or torch.float32])
             y = np.zeros(0, _NP_OF[other_dtype or torch.float32])
-            k(np.zeros(0, np.int32), z32, z32, b, dtype is not None, y, 0, 4, 4, 1, 1, y)
+            k(acc, z32, z32, b, dtype is not None, y, 0, 4, 4, 1, 1, y)
         elif kind == "mod":
             a = np.zeros(0, _NP_OF[dtype])
             k(a, a, a, q, z32, bt, 4, 1, 1, 1, np.float32(1e-6), False, True, np.float32(1.0),
@@ -793,14 +796,16 @@ def _cast_why_not(y, out, **_) -> str | None:
 
 def _compile_epilogue(kind: str):
     """A rule's ``compile(linear, y, out, ...)`` of the epilogue kernel ``kind`` for the
-    linear's bias and the chain's dtype."""
+    linear's bias and accumulator and the chain's dtype."""
     def compile_(linear, y, out, *operands, dtype=torch.float32, **_) -> None:
-        compile_kernels(kind, bias_dtype(linear), dtype)
+        compile_kernels(kind, bias_dtype(linear), dtype,
+                        _i8.accumulator_dtype(linear.params["w_kind"]))
     return compile_
 
 
 def _cast_compile(linear, y, out, **_) -> None:
-    _i8.compile_kernels(None, bias_dtype(linear), out_dtype=out.dtype)
+    _i8.compile_kernels(None, bias_dtype(linear), out_dtype=out.dtype,
+                        acc_dtype=_i8.accumulator_dtype(linear.params["w_kind"]))
 
 
 def _cast_run(acc, xs, ws, bias, out, **_) -> None:

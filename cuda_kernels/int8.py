@@ -237,14 +237,15 @@ def epilogue_triton(acc: torch.Tensor, out: torch.Tensor, xs: torch.Tensor, ws: 
                     num_warps=4, enable_fp_fusion=False))
 
 
-def int_mm(qx, qw, acc) -> None:
+def int_mm(qx, qw, acc) -> torch.Tensor:
     """``acc = qx @ qw.T`` (int32) by ``torch._int_mm`` on the current stream of acc's device
-    (or on the CPU: the interpreter's tensors)."""
+    (or on the CPU: the interpreter's tensors); returns ``acc``."""
     if acc.device.type == "cuda":
         with torch.cuda.device(acc.device):
             torch._int_mm(qx, qw.t(), out=acc)
     else:
         torch._int_mm(qx, qw.t(), out=acc)
+    return acc
 
 
 def linear_i8_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
@@ -343,7 +344,7 @@ def _compile_quantize(x, m, mp, group, device) -> None:
                     enable_fp_fusion=False, grid=(mp,)))
 
 
-def _compile_epilogue(m, n, bias_dtype, out_dtype, device) -> None:
+def _compile_epilogue(m, n, bias_dtype, out_dtype, device, w_kind="int8") -> None:
     _warmup_on(device, _epilogue, (torch.int32, out_dtype, torch.float32, torch.float32,
                                    torch.int32 if bias_dtype is None else bias_dtype, m, n),
                dict(HAS_BIAS=bias_dtype is not None, BLOCK_M=EPI_BLOCK_M, BLOCK_N=EPI_BLOCK_N,

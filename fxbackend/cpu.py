@@ -23,13 +23,18 @@ The override changes decisions only; to run the kernels with narrower vectors to
 Decisions (:meth:`CpuProfile.decide`), each a :class:`Decision` with its reason:
 - ``int8_gemm``: how ``sd.linear_i8.v1`` (W8A8) multiplies int8 by int8 on this CPU:
   ``int_mm`` (``torch._int_mm``) where VNNI or AMX-INT8 dot products exist; without them
-  (AVX2-only CPUs, where ``torch._int_mm`` crawls) ``quantized_linear``: torch's quantized
-  linear engine (fbgemm) with the weight prepacked once, whose AVX2 kernels multiply unsigned
-  by signed bytes into 16-bit pair sums that saturate, so the weight takes 7-bit codes
-  (:func:`int8_weight_max`: 63) and every pair sum stays exact.  A probe measures both paths
-  against float32 where it may run, and a path is taken only when it beats float32 by
-  :data:`MARGIN`; otherwise ``float32``: the ``quantize="w8a8"`` rewrite declines every linear
-  on the CPU with the reason, since no int8 path here beats the float32 GEMM it would replace.
+  (AVX2-only CPUs, where ``torch._int_mm`` crawls) a quantized linear engine with the weight
+  prepacked once (:data:`PREPACKED`): ``onednn_linear`` (oneDNN's, the activation codes
+  shifted to unsigned bytes, the float32 result written straight into the layer's output) or
+  ``quantized_linear`` (fbgemm's, float codes in, a float32 result copied back as int32).
+  Both multiply unsigned by signed bytes into 16-bit pair sums that saturate, so the weight
+  takes 7-bit codes (:func:`int8_weight_max`: 63) and every pair sum stays exact.  A probe
+  measures the paths against float32 where it may run, and a path is taken only when it beats
+  float32 by :data:`MARGIN`; otherwise ``float32``: the ``quantize="w8a8"`` rewrite declines
+  every linear on the CPU with the reason, since no int8 path here beats the float32 GEMM it
+  would replace.  Without probes (an override, ``FXB_CPU_PROBES=0``) oneDNN's is taken where
+  torch has it: it was the faster of the two at small Flux's shapes on an AVX2-only EPYC
+  (docs/BENCHMARKS.md).
 - ``w8a8_layers``: which CPU linear layers W8A8 rewrites (:func:`w8a8_limits`): those whose
   float32 GEMM (its multiply-adds at the probe's float32 speed) takes at least what a W8A8
   layer adds to its int8 GEMM (its quantize and epilogue passes, its weight check).  A
@@ -65,6 +70,7 @@ import torch
 __all__ = ["CpuProfile", "Decision", "cpu_profile", "CLASSES", "FEATURES", "run_probes",
            "probe_cache_path", "cpu_report_lines", "int8_weight_max", "quantized_linear_pack",
            "quantized_linear_gemm", "quantized_linear_available", "int_mm_exact",
+           "onednn_linear_available", "onednn_linear_pack", "onednn_linear_gemm", "PREPACKED",
            "w8a8_limits", "W8A8Limits"]
 
 #: the CPU flags (as ``/proc/cpuinfo`` names them) that the decisions read
@@ -249,6 +255,53 @@ def quantized_linear_gemm(qx: torch.Tensor, packed, acc: torch.Tensor) -> None:
     acc.copy_(y)
 
 
+@functools.lru_cache(maxsize=None)
+def onednn_linear_available() -> bool:
+    """True when torch has oneDNN's quantized linear (``torch.ops.onednn.qlinear_pointwise``,
+    x86-64 builds with oneDNN) and :func:`onednn_linear_gemm` gives the exact product here: a
+    small product at the extremes of the codes (int8 activations, 7-bit weights), checked once
+    per process."""
+    try:
+        torch.ops.onednn.qlinear_prepack, torch.ops.onednn.qlinear_pointwise.binary
+    except (AttributeError, RuntimeError):
+        return False
+    g = torch.Generator().manual_seed(0)
+    qx = torch.randint(-128, 128, (16, 64), dtype=torch.int8, generator=g)
+    qw = torch.randint(-63, 64, (8, 64), dtype=torch.int8, generator=g)
+    qx[0], qw[0] = 127, 63  # u8 255 (the shifted 127) times 63, in pairs: the 16-bit edge
+    qx[1], qw[1] = -128, -63
+    dst = torch.empty(16, 8)
+    try:
+        onednn_linear_gemm(qx, onednn_linear_pack(qw), dst)
+    except RuntimeError:
+        return False
+    return torch.equal(dst, (qx.long() @ qw.long().t()).float())
+
+
+def onednn_linear_pack(qw: torch.Tensor) -> tuple:
+    """The int8 weight ``qw`` ``[N, K]`` prepacked for :func:`onednn_linear_gemm` (oneDNN's
+    layout for any number of rows), with its unit per-channel scales and zero points."""
+    n = qw.shape[0]
+    return (torch.ops.onednn.qlinear_prepack(qw.contiguous(), None), torch.ones(n),
+            torch.zeros(n, dtype=torch.int64))
+
+
+def onednn_linear_gemm(qx: torch.Tensor, packed: tuple, dst: torch.Tensor) -> None:
+    """``dst = float32(qx @ qw.T)`` (``dst`` a contiguous float32 ``[M, N]``) through the
+    prepacked ``qw``: the codes shifted to unsigned bytes (``qx ^ 0x80`` is ``qx + 128``) with
+    zero point 128, the integer product accumulated in int32 by oneDNN and written as float32
+    into ``dst`` itself (a sum post-op onto ``dst`` zeroed first; no temporary): the int32
+    accumulator rounded to float32, as the epilogue would round it."""
+    wq, scales, zeros = packed
+    u8 = torch.bitwise_xor(qx, -128).view(torch.uint8)
+    dst.zero_()
+    got = torch.ops.onednn.qlinear_pointwise.binary(
+        u8, 1.0, 128, wq, scales, zeros, dst, None, 1.0, 0, torch.float32, 1.0, 0, "sum",
+        1.0, "none", [], "")
+    if got.data_ptr() != dst.data_ptr():  # oneDNN chose not to write in place
+        dst.copy_(got)
+
+
 def int8_weight_max(p: CpuProfile | None = None) -> int:
     """The largest weight code W8A8 may use with profile ``p`` (default: this CPU's): 127
     with VNNI or AMX-INT8 dot products, 63 without (the quantized linear engine's AVX2
@@ -257,31 +310,41 @@ def int8_weight_max(p: CpuProfile | None = None) -> int:
     return 127 if p.has(*_INT8_DOT) else 63
 
 
+#: the int8 GEMM paths that take a weight prepacked with 7-bit codes where the CPU has no
+#: VNNI or AMX-INT8, and how reports name them
+PREPACKED = {"onednn_linear": "oneDNN's quantized linear (u8 activations, 7-bit weights)",
+             "quantized_linear": "fbgemm's quantized linear (7-bit weights)"}
+_ENGINE_NAMES = {"onednn_linear": "oneDNN", "quantized_linear": "fbgemm"}
+
+
 def _decide_int8(p: CpuProfile) -> Decision:
     name = "int8_gemm"
     if p.has(*_INT8_DOT) and (p.overridden or int_mm_exact()):
         have = [f for f in _INT8_DOT if f in p.features]
         return Decision(name, "int_mm", f"torch._int_mm: the CPU has {' and '.join(have)}")
-    engine = quantized_linear_available()
+    available = {"onednn_linear": onednn_linear_available(),
+                 "quantized_linear": quantized_linear_available()}
     probes = p.probes()
-    ql, im = probes.get("quantized_linear_speedup"), probes.get("int_mm_speedup")
-    if ql is not None and im is not None:
+    speed = {"onednn_linear": probes.get("onednn_linear_speedup"),
+             "quantized_linear": probes.get("quantized_linear_speedup"),
+             "int_mm": probes.get("int_mm_speedup")}
+    if None not in speed.values():
         exact = int_mm_exact()
-        paths = ([(ql, "quantized_linear")] if engine else []) + ([(im, "int_mm")] if exact
-                                                                    else [])
+        paths = [(speed[c], c) for c in PREPACKED if available[c]] + \
+            ([(speed["int_mm"], "int_mm")] if exact else [])
         best = max(paths, default=(0.0, "float32"))
-        int_mm = f"torch._int_mm {im:.2f}x" + ("" if exact else ", not exact here")
+        measured = ", ".join(
+            [f"{_ENGINE_NAMES[c]} {speed[c]:.2f}x" for c in PREPACKED] +
+            [f"torch._int_mm {speed['int_mm']:.2f}x" + ("" if exact else " (not exact here)")])
         if best[0] >= MARGIN:
-            what = ("the prepacked quantized linear, 7-bit weights" if best[1] ==
-                    "quantized_linear" else "torch._int_mm")
+            what = PREPACKED.get(best[1], "torch._int_mm")
             return Decision(name, best[1], f"{what}: measured {best[0]:.2f}x float32 on this "
-                                           f"CPU ({int_mm})")
-        return Decision(name, "float32", f"no int8 GEMM beats float32 here (quantized linear "
-                                         f"measured {ql:.2f}x float32, {int_mm}): W8A8 "
-                                         f"declines")
-    if engine:
-        return Decision(name, "quantized_linear", "no VNNI or AMX-INT8: the prepacked "
-                                                  "quantized linear (fbgemm), 7-bit weights")
+                                           f"CPU ({measured})")
+        return Decision(name, "float32", f"no int8 GEMM beats float32 here ({measured} "
+                                         f"float32): W8A8 declines")
+    for choice, what in PREPACKED.items():  # the order measured on an AVX2-only EPYC
+        if available[choice]:
+            return Decision(name, choice, f"no VNNI or AMX-INT8: {what}")
     return Decision(name, "float32", "no VNNI or AMX-INT8 and no quantized linear engine, so "
                                      "int8 GEMM is slower than float32 here: W8A8 declines")
 
@@ -439,9 +502,10 @@ def _best_seconds(candidate: Callable[[], object], rival: Callable[[], object], 
     return best
 
 
-_PROBE_VERSION = 3
+_PROBE_VERSION = 4
 #: the figures every cached entry must hold (an entry without one is measured again)
-_PROBED_KEYS = {"int_mm_speedup", "quantized_linear_speedup", "bfloat16_mm_speedup",
+_PROBED_KEYS = {"int_mm_speedup", "quantized_linear_speedup", "onednn_linear_speedup",
+                "bfloat16_mm_speedup",
                 "bfloat16_conv_speedup", "float16_mm_speedup", "float16_conv_speedup",
                 "float32_mm_ns_per_mac"}
 
@@ -464,18 +528,23 @@ def _measure() -> dict:
                                      lambda: torch.mm(x, w.t()))
         out["int_mm_speedup"] = t_f32 / t_int
         out["float32_mm_ns_per_mac"] = t_f32 / (m * k * n) * 1e9
-        if quantized_linear_available():  # a larger GEMM: the engine's per-call costs (the
-            # float codes, the int32 copy) are a larger share of a small one than in a model
-            m, k, n = 256, 1024, 1024
-            xl, wl = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
-            ql = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
-            packed = quantized_linear_pack(  # 7-bit codes, as W8A8 gives the engine
-                torch.randint(-63, 64, (n, k), dtype=torch.int8, generator=g))
-            acc = torch.empty(m, n, dtype=torch.int32)
-            out["quantized_linear_speedup"] = _speedup(
-                lambda: quantized_linear_gemm(ql, packed, acc), lambda: torch.mm(xl, wl.t()))
-        else:
-            out["quantized_linear_speedup"] = 0.0
+        # the engines on a larger GEMM: their per-call costs (the shifted or float codes, the
+        # int32 copy, the zeroed output) are a larger share of a small one than in a model
+        m, k, n = 256, 1024, 1024
+        xl, wl = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+        ql = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
+        q7 = torch.randint(-63, 64, (n, k), dtype=torch.int8, generator=g)  # as W8A8 packs
+        acc = torch.empty(m, n, dtype=torch.int32)
+        engines = {"quantized_linear": (quantized_linear_available, quantized_linear_pack,
+                                        quantized_linear_gemm, acc),
+                   "onednn_linear": (onednn_linear_available, onednn_linear_pack,
+                                     onednn_linear_gemm, acc.view(torch.float32))}
+        for name, (available, pack, gemm, dst) in engines.items():
+            out[f"{name}_speedup"] = 0.0
+            if available():
+                packed = pack(q7)
+                out[f"{name}_speedup"] = _speedup(lambda: gemm(ql, packed, dst),
+                                                  lambda: torch.mm(xl, wl.t()))
         cl = torch.channels_last
         xc = torch.randn(1, 32, 32, 32, generator=g).to(memory_format=cl)
         wc = torch.randn(32, 32, 3, 3, generator=g).to(memory_format=cl)

@@ -649,11 +649,14 @@ class Int8Device:
     #: into ``q`` (int8, ``mp * K``) and ``scales`` (float32, ``mp``; rows ``m .. mp-1`` zeros
     #: and 0.0)
     quantize_rows: Callable
-    #: ``(qx, qw, acc)``: ``acc = qx @ qw.T`` in int32 (``torch._int_mm`` on the device's
-    #: current stream)
+    #: ``(qx, qw, acc) -> accumulator``: ``qx @ qw.T`` into the storage of the int32 ``acc``
+    #: (``torch._int_mm`` on the device's current stream), returned as the tensor it wrote:
+    #: ``acc``, or acc's storage viewed as float32 holding the int32 sums' float32 values (the
+    #: CPU's oneDNN engine); the kernels after it take either
     gemm: Callable
-    #: ``(acc, out, xs, ws, bias)``: linear_i8's epilogue of the int32 ``[M, N]`` acc into out
-    #: (M * N contiguous elements, float32, possibly acc's own storage, or 16-bit)
+    #: ``(acc, out, xs, ws, bias)``: linear_i8's epilogue of the ``[M, N]`` accumulator (int32
+    #: or float32, as ``gemm`` returned it) into out (M * N contiguous elements, float32,
+    #: possibly acc's own storage, or 16-bit)
     epilogue: Callable
     #: ``(x meta, group) -> reason | None``: the quantize kernel's conditions on x
     why_not_quantize: Callable
@@ -662,7 +665,8 @@ class Int8Device:
     #: ``(x meta, m, mp, group, device)``: plan-time compile (or warm-up) of the quantize kernel
     #: for ``m`` rows of x written as ``mp``
     compile_quantize: Callable
-    #: ``(m, n, bias dtype or None, out dtype, device)``: the same for the epilogue
+    #: ``(m, n, bias dtype or None, out dtype, device, w_kind)``: the same for the epilogue
+    #: of a linear whose weight is of ``w_kind`` (the accumulator's dtype may depend on it)
     compile_epilogue: Callable
     #: ``(w, group, w_i8, w_scale)``: a float weight ``[N, K]`` into its int8 rows and scales
     #: (``WeightState``'s quantizer: the held value is shared by the steps quantizing with the
@@ -714,8 +718,8 @@ def run_linear(dev: Int8Device, x_kind: str, group: int, M: int, K: int, N: int,
                qw, ws, bias, out, workspace) -> None:
     """``sd.linear_i8.v1`` into ``out`` (float32, contiguous, M * N elements) with an int8
     weight ``qw``/``ws``: x quantized into the workspace (``x_kind="float"``; a temporary where
-    the workspace is missing or short) or read in place, the GEMM into out's own storage viewed
-    as int32, then the epilogue in place."""
+    the workspace is missing or short) or read in place, the GEMM into out's own storage (the
+    accumulator, int32 or float32), then the epilogue in place."""
     if M == 0:
         return
     buf = None
@@ -725,8 +729,7 @@ def run_linear(dev: Int8Device, x_kind: str, group: int, M: int, K: int, N: int,
                workspace.numel() >= nb else torch.empty(nb, dtype=torch.int8, device=x.device))
     qx, xs = x_operand(dev, x_kind, group, M, K, x, x_scale, buf)
     dev.between()
-    acc = out.view(torch.int32).view(M, N)
-    dev.gemm(qx, qw, acc)
+    acc = dev.gemm(qx, qw, out.view(torch.int32).view(M, N))
     dev.between()
     dev.epilogue(acc, out, xs, ws, bias)
 
@@ -824,7 +827,7 @@ class LinearKernel:
     def compile(self, node) -> None:
         s, M, K, N = compile_quantized_operands(self.dev, node)
         self.dev.compile_epilogue(M, N, None if s["bias"] is None else s["bias"].dtype,
-                                  torch.float32, node.meta.device)
+                                  torch.float32, node.meta.device, node.params["w_kind"])
 
     def prepare(self, node) -> tuple:
         p = node.params

@@ -549,7 +549,7 @@ class Int8EpilogueFusion:
             # the step), but the rule must stay correct if it ever did
             acc = torch.empty((M, N), dtype=torch.int32, device=out.device)
         self.dev.between()
-        self.dev.gemm(qx, qw, acc)
+        acc = self.dev.gemm(qx, qw, acc)
         self.dev.between()
         self.impl.run(acc, xs, ws, bias, out, *(value[n] for n in st["operands"]),
                       **st["args"])
@@ -574,8 +574,9 @@ def _linear_state(lin, srcs: dict, acc_in_workspace: bool) -> dict:
 def direct_gemm(dev: Int8Device, x_kind: str, group: int, M: int, K: int, N: int, x, x_scale,
                 w, out) -> tuple:
     """The GEMM phase of a fused epilogue's direct call (tests, benchmarks) with an int8 weight
-    ``w``: x quantized into a temporary (``x_kind="float"``) or read in place, the int32
-    accumulator in a contiguous out's own storage (else a temporary); ``(acc, x_scale)``."""
+    ``w``: x quantized into a temporary (``x_kind="float"``) or read in place, the accumulator
+    (as ``dev.gemm`` returned it) in a contiguous out's own storage (else a temporary);
+    ``(acc, x_scale)``."""
     buf = None
     if x_kind == "float":
         x = x.reshape(M, K).contiguous()
@@ -585,8 +586,7 @@ def direct_gemm(dev: Int8Device, x_kind: str, group: int, M: int, K: int, N: int
     qx, xs = x_operand(dev, x_kind, group, M, K, x, x_scale, buf)
     acc = out.view(torch.int32).view(M, N) if out.is_contiguous() else \
         torch.empty(M, N, dtype=torch.int32, device=out.device)
-    dev.gemm(qx, w, acc)
-    return acc, xs
+    return dev.gemm(qx, w, acc), xs
 
 
 def _acc_view(st: dict, workspace) -> torch.Tensor:

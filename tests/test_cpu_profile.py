@@ -16,10 +16,13 @@ from fxbackend import cpu
 
 pytestmark = pytest.mark.cpu_profile
 
+#: the prepacked int8 engine a class without VNNI takes with no probe: oneDNN's where this
+#: torch has it, else fbgemm's
+PREPACKED = "onednn_linear" if cpu.onednn_linear_available() else "quantized_linear"
 #: what each class implies: (int8_gemm, bfloat16, float16)
 EXPECTED = {
-    "avx2": ("quantized_linear", "float32", "float32"),
-    "avx512": ("quantized_linear", "float32", "float32"),
+    "avx2": (PREPACKED, "float32", "float32"),
+    "avx512": (PREPACKED, "float32", "float32"),
     "avx512_vnni": ("int_mm", "float32", "float32"),
     "avx512_bf16": ("int_mm", "native", "float32"),
     "amx": ("int_mm", "native", "native"),
@@ -81,23 +84,42 @@ def _detected(features=frozenset()) -> cpu.CpuProfile:
 
 
 @pytest.mark.parametrize("ratios,want", [
-    ({"int_mm_speedup": 0.01, "quantized_linear_speedup": 0.9, "bfloat16_mm_speedup": 0.006,
-      "bfloat16_conv_speedup": 0.005}, ("float32", "float32")),
-    ({"int_mm_speedup": 0.01, "quantized_linear_speedup": 2.4, "bfloat16_mm_speedup": 0.006,
-      "bfloat16_conv_speedup": 0.005}, ("quantized_linear", "float32")),
-    ({"int_mm_speedup": 3.0, "quantized_linear_speedup": 2.0, "bfloat16_mm_speedup": 2.0,
-      "bfloat16_conv_speedup": 1.5}, ("int_mm", "native")),
+    ({"int_mm_speedup": 0.01, "quantized_linear_speedup": 0.9, "onednn_linear_speedup": 1.1,
+      "bfloat16_mm_speedup": 0.006, "bfloat16_conv_speedup": 0.005}, ("float32", "float32")),
+    ({"int_mm_speedup": 0.01, "quantized_linear_speedup": 2.4, "onednn_linear_speedup": 1.9,
+      "bfloat16_mm_speedup": 0.006, "bfloat16_conv_speedup": 0.005},
+     ("quantized_linear", "float32")),
+    ({"int_mm_speedup": 0.01, "quantized_linear_speedup": 1.7, "onednn_linear_speedup": 2.1,
+      "bfloat16_mm_speedup": 0.006, "bfloat16_conv_speedup": 0.005},
+     ("onednn_linear", "float32")),
+    ({"int_mm_speedup": 3.0, "quantized_linear_speedup": 2.0, "onednn_linear_speedup": 2.5,
+      "bfloat16_mm_speedup": 2.0, "bfloat16_conv_speedup": 1.5}, ("int_mm", "native")),
     # within the margin: the conservative path
-    ({"int_mm_speedup": 1.1, "quantized_linear_speedup": 1.15, "bfloat16_mm_speedup": 4.0,
-      "bfloat16_conv_speedup": 1.1}, ("float32", "float32")),
+    ({"int_mm_speedup": 1.1, "quantized_linear_speedup": 1.15, "onednn_linear_speedup": 1.19,
+      "bfloat16_mm_speedup": 4.0, "bfloat16_conv_speedup": 1.1}, ("float32", "float32")),
 ])
 def test_probes_decide_what_features_do_not(ratios, want, monkeypatch):
     monkeypatch.setattr(cpu, "run_probes", lambda p: ratios)
     monkeypatch.setattr(cpu, "int_mm_exact", lambda: True)
+    monkeypatch.setattr(cpu, "onednn_linear_available", lambda: True)
+    monkeypatch.setattr(cpu, "quantized_linear_available", lambda: True)
     p = _detected()
     got = p.decide("int8_gemm"), p.decide("bfloat16")
     assert tuple(d.choice for d in got) == want
-    assert f"{ratios['int_mm_speedup']:.2f}x" in got[0].reason  # the figure is shown
+    for key, name in (("int_mm_speedup", "torch._int_mm"), ("quantized_linear_speedup",
+                                                           "fbgemm"),
+                      ("onednn_linear_speedup", "oneDNN")):
+        assert f"{name} {ratios[key]:.2f}x" in got[0].reason  # every figure is shown
+
+
+def test_an_engine_torch_lacks_is_never_chosen(monkeypatch):
+    """However fast the probe found it (a cache written by another build), an engine this
+    torch does not have is not taken."""
+    monkeypatch.setattr(cpu, "run_probes", lambda p: {
+        "int_mm_speedup": 0.01, "quantized_linear_speedup": 1.5, "onednn_linear_speedup": 2.5})
+    monkeypatch.setattr(cpu, "onednn_linear_available", lambda: False)
+    monkeypatch.setattr(cpu, "quantized_linear_available", lambda: True)
+    assert _detected().decide("int8_gemm").choice == "quantized_linear"
 
 
 def test_features_settle_without_probing(monkeypatch, no_probe):
@@ -113,7 +135,8 @@ def test_a_saturating_int_mm_is_never_chosen(monkeypatch):
     fast the probe finds ``torch._int_mm``, it is not taken, even with VNNI among the flags."""
     monkeypatch.setattr(cpu, "int_mm_exact", lambda: False)
     monkeypatch.setattr(cpu, "run_probes", lambda p: {"int_mm_speedup": 5.0,
-                                                      "quantized_linear_speedup": 0.5})
+                                                      "quantized_linear_speedup": 0.5,
+                                                      "onednn_linear_speedup": 0.6})
     for features in ({"avx2"}, {"avx2", "avx512_vnni"}):
         d = _detected(features).decide("int8_gemm")
         assert d.choice == "float32" and "not exact here" in d.reason
@@ -135,8 +158,11 @@ def test_int_mm_exactness_is_what_the_kernels_compute():
 def test_probes_off_take_the_conservative_path(monkeypatch, no_probe):
     p = cpu.CpuProfile("AVX2", frozenset({"avx2"}), 2, "test CPU", "detected",
                        probes_enabled=False)
-    assert p.decide("int8_gemm").choice == "quantized_linear"  # the engine's AVX2 kernels
+    monkeypatch.setattr(cpu, "onednn_linear_available", lambda: True)
+    assert p.decide("int8_gemm").choice == "onednn_linear"  # the engines' AVX2 kernels
     assert p.decide("float16").choice == "float32"
+    monkeypatch.setattr(cpu, "onednn_linear_available", lambda: False)
+    assert p.decide("int8_gemm").choice == "quantized_linear"
     monkeypatch.setattr(cpu, "quantized_linear_available", lambda: False)
     assert p.decide("int8_gemm").choice == "float32"
     assert "no quantized linear engine" in p.decide("int8_gemm").reason
@@ -151,26 +177,35 @@ def test_weight_codes_fit_the_engine(name, monkeypatch):
     assert 2 * 255 * cpu.int8_weight_max() < 2 ** 15 or want == 127
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 4, 4), (37, 256, 64), (300, 1024, 96)])
-def test_quantized_linear_gemm_is_the_exact_integer_product(m, k, n):
-    """The engine's product of int8 codes at the extremes (-128 .. 127 activations, 7-bit
-    weights) equals the float64 one, rounded to float32 as the epilogue rounds int32."""
+@pytest.mark.parametrize("engine", ["quantized_linear", "onednn_linear"])
+@pytest.mark.parametrize("m,k,n", [(1, 4, 4), (37, 256, 64), (300, 1024, 96), (5, 4096, 8)])
+def test_prepacked_gemm_is_the_exact_integer_product(engine, m, k, n):
+    """Each engine's product of int8 codes at the extremes (-128 .. 127 activations, 7-bit
+    weights, pair sums at the 16-bit edge) equals the float64 one, rounded to float32 as the
+    epilogue rounds int32 (fbgemm's written back as int32, oneDNN's as float32)."""
+    if not getattr(cpu, f"{engine}_available")():
+        pytest.skip(f"this torch has no {engine} engine")
     g = torch.Generator().manual_seed(m)
     qx = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=g)
     qx[0, :] = torch.tensor([-128, 127] * (k // 2), dtype=torch.int8)
+    qx[-1, :] = 127
     qw = torch.randint(-63, 64, (n, k), dtype=torch.int8, generator=g)
     qw[0, :] = 63
-    acc = torch.empty(m, n, dtype=torch.int32)
-    cpu.quantized_linear_gemm(qx, cpu.quantized_linear_pack(qw), acc)
+    qw[-1, :] = -63
+    acc = torch.full((m, n), -1, dtype=torch.int32)  # stale values the engine must not add
+    pack, gemm = getattr(cpu, f"{engine}_pack"), getattr(cpu, f"{engine}_gemm")
+    dst = acc if engine == "quantized_linear" else acc.view(torch.float32)
+    gemm(qx, pack(qw), dst)
     want = (qx.double() @ qw.double().t()).float()
-    assert torch.equal(acc.float(), want)
+    assert torch.equal(dst.float(), want)
 
 
 def test_probes_are_measured_once_and_cached_on_disk(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(cpu, "_probed", {})
     calls = []
-    fake = {"int_mm_speedup": 0.5, "quantized_linear_speedup": 1.0, "bfloat16_mm_speedup": 0.2,
+    fake = {"int_mm_speedup": 0.5, "quantized_linear_speedup": 1.0,
+            "onednn_linear_speedup": 1.1, "bfloat16_mm_speedup": 0.2,
             "bfloat16_conv_speedup": 0.1, "float16_mm_speedup": 0.2, "float16_conv_speedup": 0.1,
             "float32_mm_ns_per_mac": 0.02}
     monkeypatch.setattr(cpu, "_measure", lambda: calls.append(1) or dict(fake))
@@ -224,6 +259,7 @@ def test_w8a8_follows_the_int8_decision(name, monkeypatch):
 def test_w8a8_declines_where_no_int8_gemm_beats_float32(monkeypatch):
     monkeypatch.setenv("FXB_CPU_PROFILE", "avx2")
     monkeypatch.setattr(cpu, "quantized_linear_available", lambda: False)
+    monkeypatch.setattr(cpu, "onednn_linear_available", lambda: False)
     torch.manual_seed(0)
     fxbackend.reset_stats()
     report = fxbackend.explain(_Mlp().eval(), torch.randn(8, 64), options={"quantize": "w8a8"})
@@ -288,7 +324,7 @@ def test_w8a8_layer_limits_follow_the_probes(monkeypatch):
     layer declines with the int8_gemm reason)."""
     monkeypatch.setattr(cpu, "int_mm_exact", lambda: True)
     probes = {"int_mm_speedup": 3.0, "quantized_linear_speedup": 0.5,
-              "float32_mm_ns_per_mac": 0.01}
+              "onednn_linear_speedup": 0.5, "float32_mm_ns_per_mac": 0.01}
     monkeypatch.setattr(cpu, "run_probes", lambda p: dict(probes))
     p = _detected({"avx2", "avx512_vnni"})
     fast = cpu.w8a8_limits(p)

@@ -171,3 +171,44 @@ def test_16_bit_model_quantizes_its_layers():
     assert out.dtype == torch.bfloat16
     cos = torch.nn.functional.cosine_similarity(out.float().flatten(), ref.flatten(), dim=0)
     assert cos.item() > 0.999
+
+
+@pytest.mark.parametrize("family,dtype", [("flux", torch.float32), ("sd3", torch.float32),
+                                          ("flux", torch.bfloat16)])
+def test_the_prepacked_engines_give_the_same_model_outputs(family, dtype, monkeypatch):
+    """Under the AVX2 class (no VNNI) W8A8's int8 GEMM runs through a prepacked engine:
+    oneDNN's, whose float32 accumulator the linear's epilogue and every fused kernel after it
+    read, or fbgemm's, written back as int32.  Same 7-bit codes, same float32 sums: the whole
+    model's outputs are bit-identical, and close to eager's."""
+    from fxbackend import cpu
+    from fxbackend.cpu_kernels import int8 as cpu_int8
+    if not (cpu.onednn_linear_available() and cpu.quantized_linear_available()):
+        pytest.skip("this torch lacks one of the two quantized linear engines")
+    monkeypatch.setenv("FXB_CPU_PROFILE", "avx2")
+    torch.manual_seed(0)
+    model = fxbackend.models.build_model(family, "tiny", dtype=dtype)
+    inputs = fxbackend.models.make_inputs(family, "tiny", dtype=dtype)
+    opts = {"quantize": "w8a8", "convrot_group": 16, "quantize_min_size": 0}
+    outs, fused = {}, {}
+    for engine in ("onednn_linear", "quantized_linear"):
+        monkeypatch.setattr(cpu, "onednn_linear_available", lambda e=engine: e == "onednn_linear")
+        monkeypatch.setattr(cpu_int8, "_engines", {})
+        assert fxbackend.cpu_profile().decide("int8_gemm").choice == engine
+        torch._dynamo.reset()
+        fxbackend.reset_stats()
+        with torch.no_grad():
+            outs[engine] = fxbackend.models.run_eager(
+                torch.compile(model, backend="fxbackend", options=opts), inputs)[0]
+        fused[engine] = fxbackend.stats()["fusions_by_rule"]
+    assert fused["onednn_linear"] == fused["quantized_linear"]
+    assert sum(fused["onednn_linear"].get(r, 0) for r in (
+        "int8_gated_residual", "int8_linear_act_quantize", "int8_linear_act",
+        "int8_linear_cast")) > 0  # kernels reading the accumulator after the GEMM ran
+    assert outs["onednn_linear"].dtype == dtype
+    assert torch.equal(outs["onednn_linear"], outs["quantized_linear"])
+    with torch.no_grad():
+        ref = fxbackend.models.run_eager(fxbackend.models.build_model(family, "tiny"),
+                                         fxbackend.models.make_inputs(family, "tiny"))[0]
+    cos = torch.nn.functional.cosine_similarity(outs["onednn_linear"].float().flatten(),
+                                                ref.flatten(), dim=0).item()
+    assert cos > 0.999
