@@ -23,6 +23,10 @@ Sections (``--sections``; each a function ``bench_<name>(args) -> list of result
   kernel's time), and the ratios eager / kernel and eager / int_mm (>1: faster than float32).
   The issue's goal for the quantized layers alone: at least 4x faster than float32 eager.
 
+* ``engines``: the CPU's int8 GEMM paths alone (``torch._int_mm``, oneDNN's and fbgemm's
+  prepacked quantized linear, each with its own per-call passes) against float32 ``F.linear``
+  at small Flux's shapes and one Flux.1 projection, and whether each is exact here: what the
+  ``int8_gemm`` decision chooses between (``bench_engines``).
 * ``accuracy``: for each of ``--models`` (default small Flux and SD3, random weights), the
   cosine similarity to the float32 output of the model compiled with ``options={"quantize":
   "w8a8"}``, without rotation (``convrot_group`` 1) and with ConvRot (``--group``; each layer
@@ -45,6 +49,7 @@ Run (from the repository root)::
     .venv/bin/python scripts/bench_int8.py
     .venv/bin/python scripts/bench_int8.py --configs flux_qkv sd3_qkv --rounds 3 --threads 1
     .venv/bin/python scripts/bench_int8.py --sections accuracy models
+    .venv/bin/python scripts/bench_int8.py --sections engines --rounds 7
     # torchao, outside the project's environment:
     #   .venv/bin/pip install --target /some/dir --no-deps torchao; PYTHONPATH=/some/dir ...
 
@@ -381,11 +386,93 @@ def print_models(report, results) -> None:
                   f"{'yes' if ms['fxb_w8a8_bf16_attention'] < ms['eager_bf16'] else 'no'}")
 
 
+#: name -> (M, K, N) of the ``engines`` section: small Flux's layers (1024 image and 77 text
+#: tokens, hidden 384, feed-forward 1536), then a Flux.1 projection at 1024 rows
+ENGINE_SHAPES = {"flux_small_qkv": (1101, 384, 384), "flux_small_ff_up": (1101, 384, 1536),
+                 "flux_small_ff_down": (1101, 1536, 384), "flux_qkv": (1024, 3072, 3072)}
+ENGINE_IMPLS = ("float32", "int_mm", "onednn_linear", "quantized_linear")
+
+
+def bench_engines(args) -> list:
+    """The ``engines`` section: the CPU's int8 GEMM paths (``fxbackend.cpu``: ``torch._int_mm``
+    and the prepacked engines, each call with its own passes: oneDNN's shift to unsigned bytes
+    and zeroed output, fbgemm's float codes and int32 copy) against float32 ``F.linear`` on
+    :data:`ENGINE_SHAPES`, 8-bit activation and 7-bit weight codes, in interleaved rounds;
+    each path's result checked against the float64 product (``exact``).  The profile's
+    ``int8_gemm`` decision is printed beside them."""
+    import statistics
+    from fxbackend import cpu
+
+    results = []
+    for name, (m, k, n) in ENGINE_SHAPES.items():
+        g = torch.Generator().manual_seed(0)
+        x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) * k ** -0.5
+        qx = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=g)
+        qw = torch.randint(-63, 64, (n, k), dtype=torch.int8, generator=g)
+        want = (qx.double() @ qw.double().t()).float()
+        acc = torch.empty(m, n, dtype=torch.int32)
+        impls = {"float32": lambda: torch.nn.functional.linear(x, w)}
+        outs = {"int_mm": acc}
+        impls["int_mm"] = lambda: torch._int_mm(qx, qw.t(), out=acc)
+        for engine in ("onednn_linear", "quantized_linear"):
+            if getattr(cpu, f"{engine}_available")():
+                packed = getattr(cpu, f"{engine}_pack")(qw)
+                dst = torch.empty(m, n, dtype=torch.int32 if engine == "quantized_linear"
+                                  else torch.float32)
+                gemm = getattr(cpu, f"{engine}_gemm")
+                impls[engine] = (lambda gemm=gemm, packed=packed, dst=dst:
+                                 gemm(qx, packed, dst))
+                outs[engine] = dst
+        times = {i: [] for i in impls}
+        for f in impls.values():
+            for _ in range(args.warmup):
+                f()
+        exact = {i: bool(torch.equal(outs[i].float(), want)) for i in outs}
+        for _ in range(args.rounds):
+            for i, f in impls.items():
+                for _ in range(args.calls):
+                    t0 = time.perf_counter()
+                    f()
+                    times[i].append(time.perf_counter() - t0)
+        med = {i: statistics.median(v) * 1e3 for i, v in times.items()}
+        results.append({"config": name, "M": m, "K": k, "N": n, "median_ms": med,
+                        "exact": exact, "loadavg": os.getloadavg(),
+                        "speedup_vs_float32": {i: med["float32"] / v for i, v in med.items()
+                                               if i != "float32"}})
+        print(f"done {name}: " + ", ".join(f"{i} {v:.2f} ms" for i, v in med.items()),
+              file=sys.stderr)
+    return results
+
+
+def print_engines(report, results) -> None:
+    from fxbackend import cpu
+    print(f"\nint8 GEMM paths on the CPU against float32 F.linear, {report['threads']} "
+          f"threads, torch {report['torch']}; median ms (x float32; exact to the float64 "
+          f"product)")
+    print(cpu.cpu_profile().decide("int8_gemm"))
+    print(f"{'config':20s} {'M x K x N':>18s}" + "".join(f"{i:>24s}" for i in ENGINE_IMPLS))
+    for r in results:
+        cells = []
+        for impl in ENGINE_IMPLS:
+            if impl not in r["median_ms"]:
+                cells.append("-")
+                continue
+            ms = r["median_ms"][impl]
+            if impl == "float32":
+                cells.append(f"{ms:.2f}")
+            else:
+                cells.append(f"{ms:.2f} ({r['speedup_vs_float32'][impl]:.2f}x"
+                             f"{'' if r['exact'][impl] else ', NOT exact'})")
+        mkn = f"{r['M']} x {r['K']} x {r['N']}"
+        print(f"{r['config']:20s} {mkn:>18s}" + "".join(f"{c:>24s}" for c in cells))
+
+
 #: (fraction, factor) of the injected outliers, for the printout
 ARGS_OUTLIERS = [0.01, 50.0]
 
 #: section name -> (bench function, print function)
 SECTIONS = {"kernels": (bench_kernels, print_kernels),
+            "engines": (bench_engines, print_engines),
             "accuracy": (bench_accuracy, print_accuracy),
             "models": (bench_models, print_models)}
 
