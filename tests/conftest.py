@@ -36,16 +36,35 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+#: ``FXB_CPU_PROFILE`` as the run was started with (None: unset)
+_OUTER_PROFILE = os.environ.get("FXB_CPU_PROFILE")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _pinned_profile():
+    """The pinned class (below) for the whole session, so that module-scoped fixtures, which
+    are set up before any test's own fixtures, build their plans with the same decisions as the
+    tests that read them (and as the fresh processes those tests start)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("FXB_CPU_PROFILE", os.environ.get("FXB_TEST_CPU_PROFILE", "amx"))
+    yield
+    mp.undo()
+
+
 @pytest.fixture(autouse=True)
-def _every_fast_path(request, monkeypatch):
+def _every_fast_path(request, monkeypatch, _pinned_profile):
     """Tests run every fast path whatever the host (``FXB_CPU_PROFILE=amx``: W8A8's int8 GEMM,
     native 16-bit GEMMs), so the kernels and fusions they check run on every CPU class: on a
     CPU without them the same kernels are only slower.  What each CPU class decides is
-    ``tests/test_cpu_profile.py``'s (marked ``cpu_profile``: it sets the profile itself, and
-    sees the host's otherwise).  ``FXB_TEST_CPU_PROFILE`` names another class to pin
-    (``make test-avx2`` runs the CPU-dependent tests so, with the vectors limited to AVX2)."""
-    if "cpu_profile" not in request.keywords:
-        monkeypatch.setenv("FXB_CPU_PROFILE", os.environ.get("FXB_TEST_CPU_PROFILE", "amx"))
+    ``tests/test_cpu_profile.py``'s and ``tests/test_gemm.py``'s (marked ``cpu_profile``: they
+    set the profile themselves, and see the environment's otherwise, the host's when it sets
+    none).  ``FXB_TEST_CPU_PROFILE`` names another class to pin (``make test-avx2`` runs the
+    CPU-dependent tests so, with the vectors limited to AVX2)."""
+    if "cpu_profile" in request.keywords:
+        if _OUTER_PROFILE is None:
+            monkeypatch.delenv("FXB_CPU_PROFILE", raising=False)
+        else:
+            monkeypatch.setenv("FXB_CPU_PROFILE", _OUTER_PROFILE)
     yield
 
 
