@@ -1,5 +1,5 @@
 """fxbackend.cpu_kernels: numba CPU kernels, one module per pattern family."""
-from . import (activation, fingerprint, gated_residual, groupnorm, modulation,  # noqa: F401
+from . import (activation, fingerprint, gated_residual, gemm, groupnorm, modulation,  # noqa: F401
                rms_rope, rmsnorm, rope, scale_cast)
 from . import int8  # noqa: F401,E402
 from . import int8_fusions  # noqa: F401,E402

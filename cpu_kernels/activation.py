@@ -428,7 +428,7 @@ class LinearActCPU:
     def run(self, x, w, bias, y, out, *, act, gate, beta, alpha):
         if y.dtype != out.dtype:  # a rounded chain: y float32 workspace, out 16-bit
             if _bias_in_pass(bias, y, beta, alpha):
-                torch.mm(x, w, out=y)
+                gemm_into(y, x, w, None)
                 cast_activate_cpu(y, out, act, bias)
             else:
                 gemm_into(y, x, w, bias, beta, alpha)
@@ -438,7 +438,7 @@ class LinearActCPU:
             # mm, then the bias added in the pass (as Inductor does with an addmm whose result
             # only pointwise ops read): no copy of the bias into y before the GEMM, no read of
             # it by a beta=1 GEMM; float32 only (a 16-bit GEMM rounds acc + bias once)
-            torch.mm(x, w, out=y)
+            gemm_into(y, x, w, None)
             if gate is None:
                 activate_cpu(out, act, bias)
             else:

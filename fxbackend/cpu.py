@@ -40,6 +40,11 @@ Decisions (:meth:`CpuProfile.decide`), each a :class:`Decision` with its reason:
   layer adds to its int8 GEMM (its quantize and epilogue passes, its weight check).  A
   smaller layer stays in float32 with that reason; ``options={"quantize_min_size": 0}``
   rewrites every layer.
+- ``float32_gemm``: how float32 linears (``addmm``/``mm`` of a transposed weight, and the
+  GEMMs of the fused linear chains) compute: ``native`` (``torch.addmm``: MKL on x86-64
+  builds) or ``onednn`` (oneDNN's linear on the plain weight, read every call: no derived
+  copy), taken where the probe measures oneDNN's at least :data:`MARGIN` faster (MKL does not
+  run its AVX-512 kernels on every CPU that has AVX-512).  Without probes: ``native``.
 - ``bfloat16`` / ``float16``: how 16-bit GEMMs and convolutions compute: ``native`` where the
   CPU has the 16-bit dot products (AVX-512 BF16 or AMX-BF16; AVX-512 FP16 or AMX-FP16) or the
   probe measures the 16-bit op faster than the float32 op plus the casts; otherwise ``float32``:
@@ -71,6 +76,7 @@ __all__ = ["CpuProfile", "Decision", "cpu_profile", "CLASSES", "FEATURES", "run_
            "probe_cache_path", "cpu_report_lines", "int8_weight_max", "quantized_linear_pack",
            "quantized_linear_gemm", "quantized_linear_available", "int_mm_exact",
            "onednn_linear_available", "onednn_linear_pack", "onednn_linear_gemm", "PREPACKED",
+           "onednn_float32_linear_available", "onednn_float32_linear",
            "w8a8_limits", "W8A8Limits"]
 
 #: the CPU flags (as ``/proc/cpuinfo`` names them) that the decisions read
@@ -156,7 +162,7 @@ class CpuProfile:
         return [self.summary()] + [f"cpu decision {d}" for d in self.decisions()]
 
 
-DECISIONS = ("int8_gemm", "w8a8_layers", "bfloat16", "float16")
+DECISIONS = ("int8_gemm", "w8a8_layers", "float32_gemm", "bfloat16", "float16")
 
 
 def cpu_report_lines(graph) -> list[str]:
@@ -178,6 +184,8 @@ def _decide(p: CpuProfile, name: str) -> Decision:
         return _decide_int8(p)
     if name == "w8a8_layers":
         return _decide_w8a8_layers(p)
+    if name == "float32_gemm":
+        return _decide_float32_gemm(p)
     if name in _NATIVE_16:
         if p.has(*_NATIVE_16[name]):
             have = [f for f in _NATIVE_16[name] if f in p.features]
@@ -253,6 +261,43 @@ def quantized_linear_gemm(qx: torch.Tensor, packed, acc: torch.Tensor) -> None:
     y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
         qx.to(torch.float32), 1.0, 128, packed)
     acc.copy_(y)
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_float32_linear_available() -> bool:
+    """True when torch has oneDNN's float32 linear (``torch.ops.mkldnn._linear_pointwise``) and
+    it agrees with ``torch.addmm`` here to float32 rounding (a small product, checked once per
+    process)."""
+    try:
+        op = torch.ops.mkldnn._linear_pointwise
+    except (AttributeError, RuntimeError):
+        return False
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(s, generator=g) for s in ((33, 64), (40, 64), (40,)))
+    try:
+        got = op(x, w, b, "none", [], "")
+    except RuntimeError:
+        return False
+    return torch.allclose(got, torch.addmm(b, x, w.t()), rtol=1e-5, atol=1e-5)
+
+
+def onednn_float32_linear(x: torch.Tensor, w: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ w.T + bias`` (float32 ``x [M, K]``, contiguous ``w [N, K]``, ``bias [N]`` or None)
+    by oneDNN's linear, a new tensor: the ``float32_gemm: onednn`` path."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+
+
+def _decide_float32_gemm(p: CpuProfile) -> Decision:
+    name = "float32_gemm"
+    speed = p.probes().get("float32_onednn_speedup")
+    if speed is None:
+        return Decision(name, "native", "torch.addmm (no probe measured oneDNN's linear)")
+    if speed >= MARGIN and onednn_float32_linear_available():
+        return Decision(name, "onednn", f"float32 linears through oneDNN's: measured "
+                                        f"{speed:.2f}x torch.addmm on this CPU")
+    return Decision(name, "native", f"torch.addmm (oneDNN's linear measured {speed:.2f}x it "
+                                    f"here)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -502,12 +547,12 @@ def _best_seconds(candidate: Callable[[], object], rival: Callable[[], object], 
     return best
 
 
-_PROBE_VERSION = 4
+_PROBE_VERSION = 5
 #: the figures every cached entry must hold (an entry without one is measured again)
 _PROBED_KEYS = {"int_mm_speedup", "quantized_linear_speedup", "onednn_linear_speedup",
                 "bfloat16_mm_speedup",
                 "bfloat16_conv_speedup", "float16_mm_speedup", "float16_conv_speedup",
-                "float32_mm_ns_per_mac"}
+                "float32_mm_ns_per_mac", "float32_onednn_speedup"}
 
 
 def _measure() -> dict:
@@ -528,6 +573,13 @@ def _measure() -> dict:
                                      lambda: torch.mm(x, w.t()))
         out["int_mm_speedup"] = t_f32 / t_int
         out["float32_mm_ns_per_mac"] = t_f32 / (m * k * n) * 1e9
+        # float32 linears: torch.addmm (MKL on x86-64 builds, whose AVX-512 kernels not every
+        # CPU gets) against oneDNN's, at a diffusion transformer's layer shape
+        xf, wf = torch.randn(512, 384, generator=g), torch.randn(1536, 384, generator=g)
+        bf = torch.randn(1536, generator=g)
+        out["float32_onednn_speedup"] = _speedup(
+            lambda: onednn_float32_linear(xf, wf, bf), lambda: torch.addmm(bf, xf, wf.t())) \
+            if onednn_float32_linear_available() else 0.0
         # the engines on a larger GEMM: their per-call costs (the shifted or float codes, the
         # int32 copy, the zeroed output) are a larger share of a small one than in a model
         m, k, n = 256, 1024, 1024

@@ -35,7 +35,7 @@ import torch
 from fxbackend import TensorMeta
 
 __all__ = ["ACTS", "LinearActFusion", "LinearGluFusion", "ReferenceLinearAct", "act_reference",
-           "linear_act_reference", "gemm_into", "movable_bias"]
+           "linear_act_reference", "gemm_into", "movable_bias", "register_gemm"]
 
 #: activation names: gelu with the tanh approximation, gelu with erf, silu
 ACTS = ("gelu_tanh", "gelu", "silu")
@@ -55,10 +55,28 @@ def act_reference(y: torch.Tensor, act: str) -> torch.Tensor:
     raise ValueError(f"activation must be one of {ACTS}, got {act!r}")
 
 
+#: device type -> ``fn(y, x, w, bias, beta, alpha) -> bool``: a device's own GEMM for
+#: :func:`gemm_into`, True when it wrote ``y`` (False: the torch call below)
+_DEVICE_GEMMS: dict = {}
+
+
+def register_gemm(device_type: str, fn) -> None:
+    """Let ``fn(y, x, w, bias, beta, alpha) -> bool`` compute :func:`gemm_into` on
+    ``device_type`` where it returns True (the CPU's: oneDNN's float32 linear where the profile
+    chose it, ``cpu_kernels/gemm.py``)."""
+    if not callable(fn):
+        raise TypeError(f"register_gemm: fn must be callable, got {type(fn).__name__}")
+    _DEVICE_GEMMS[str(device_type)] = fn
+
+
 def gemm_into(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
               beta=1, alpha=1) -> torch.Tensor:
     """``y = addmm(bias, x, w, beta, alpha)`` (``mm(x, w)`` without a bias): the chain's own GEMM
-    call, writing into ``y`` (on CUDA, on the current stream)."""
+    call, writing into ``y`` (on CUDA, on the current stream), by the device's registered GEMM
+    where it takes the operands (:func:`register_gemm`), else torch's."""
+    own = _DEVICE_GEMMS.get(y.device.type)
+    if own is not None and own(y, x, w, bias, beta, alpha):
+        return y
     if bias is None:
         return torch.mm(x, w, out=y)
     return torch.addmm(bias, x, w, beta=beta, alpha=alpha, out=y)

@@ -322,8 +322,10 @@ class GatedResidualFusion:
     gated residual.  It moves each chain's prefix down to just before the chain's next node with
     ``graph_delay``, which refuses any move that would change a result.
 
-    The GEMM runs natively (``torch.addmm``/``torch.mm`` with ``out=``, same op and same bits as
-    the unfused step) into the step's output when that is contiguous, else into workspace.
+    The GEMM runs as the unfused step would (``patterns/activation.gemm_into``: ``torch.addmm``
+    / ``torch.mm`` with ``out=``, or the device's own GEMM where the CPU profile chose oneDNN's
+    float32 linear, as the unfused step's kernel then does) into the step's output when that is
+    contiguous, else into workspace.
 
     Bias.  With an ``impl`` that ``adds_bias``, a float32 ``addmm(bias, x, w)`` with a
     contiguous ``[N]`` bias and beta = alpha = 1 runs as ``mm(x, w)`` and the epilogue adds the
@@ -554,7 +556,7 @@ class GatedResidualFusion:
             y2d = torch.empty((m, n), dtype=st["y_meta"].dtype, device=out.device)
         bias = None if p.bias is None else gemm_in[0]
         if st["bias_in_epilogue"]:  # mm, and the epilogue adds the bias
-            torch.mm(x, w, out=y2d)
+            gemm_into(y2d, x, w, None)
             kw = {"bias": bias}
         else:
             gemm_into(y2d, x, w, bias, **st["gemm_kw"])

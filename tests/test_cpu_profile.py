@@ -51,6 +51,7 @@ def test_override_decides_from_the_class_alone(name, monkeypatch, no_probe):
     assert p.threads == torch.get_num_threads()
     got = tuple(p.decide(d).choice for d in ("int8_gemm", "bfloat16", "float16"))
     assert got == EXPECTED[name]
+    assert p.decide("float32_gemm").choice == "native"  # only a probe chooses oneDNN's
     lines = p.report_lines()
     assert lines[0].startswith(f"cpu profile (FXB_CPU_PROFILE={name})")
     assert len(lines) == 1 + len(cpu.DECISIONS)
@@ -207,7 +208,7 @@ def test_probes_are_measured_once_and_cached_on_disk(tmp_path, monkeypatch):
     fake = {"int_mm_speedup": 0.5, "quantized_linear_speedup": 1.0,
             "onednn_linear_speedup": 1.1, "bfloat16_mm_speedup": 0.2,
             "bfloat16_conv_speedup": 0.1, "float16_mm_speedup": 0.2, "float16_conv_speedup": 0.1,
-            "float32_mm_ns_per_mac": 0.02}
+            "float32_mm_ns_per_mac": 0.02, "float32_onednn_speedup": 1.0}
     monkeypatch.setattr(cpu, "_measure", lambda: calls.append(1) or dict(fake))
     p = _detected()
     first = cpu.run_probes(p)
