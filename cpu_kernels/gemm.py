@@ -1,7 +1,7 @@
 """float32 linears through oneDNN where the CPU profile chose it (``float32_gemm: onednn``).
 
-``torch.addmm`` of float32 on x86-64 builds of torch is MKL's, whose AVX-512 kernels not every
-CPU with AVX-512 gets: on an AMD EPYC with AVX-512 oneDNN's linear
+``torch.addmm`` of float32 on x86-64 builds of torch is MKL's, which on some CPUs with AVX-512
+runs no faster than its AVX2 kernels: on an AMD EPYC with AVX-512 oneDNN's linear
 (``torch.ops.mkldnn._linear_pointwise``) on the same plain weight ran 2.2-2.9x faster at small
 Flux's layer shapes (docs/BENCHMARKS.md).  The probe of ``fxbackend.cpu`` measures the two on
 the machine; where oneDNN's wins by the margin:

@@ -43,8 +43,8 @@ Decisions (:meth:`CpuProfile.decide`), each a :class:`Decision` with its reason:
 - ``float32_gemm``: how float32 linears (``addmm``/``mm`` of a transposed weight, and the
   GEMMs of the fused linear chains) compute: ``native`` (``torch.addmm``: MKL on x86-64
   builds) or ``onednn`` (oneDNN's linear on the plain weight, read every call: no derived
-  copy), taken where the probe measures oneDNN's at least :data:`MARGIN` faster (MKL does not
-  run its AVX-512 kernels on every CPU that has AVX-512).  Without probes: ``native``.
+  copy), taken where the probe measures oneDNN's at least :data:`MARGIN` faster (MKL runs no
+  faster than its AVX2 kernels on some CPUs with AVX-512).  Without probes: ``native``.
 - ``bfloat16`` / ``float16``: how 16-bit GEMMs and convolutions compute: ``native`` where the
   CPU has the 16-bit dot products (AVX-512 BF16 or AMX-BF16; AVX-512 FP16 or AMX-FP16) or the
   probe measures the 16-bit op faster than the float32 op plus the casts; otherwise ``float32``:
@@ -573,8 +573,8 @@ def _measure() -> dict:
                                      lambda: torch.mm(x, w.t()))
         out["int_mm_speedup"] = t_f32 / t_int
         out["float32_mm_ns_per_mac"] = t_f32 / (m * k * n) * 1e9
-        # float32 linears: torch.addmm (MKL on x86-64 builds, whose AVX-512 kernels not every
-        # CPU gets) against oneDNN's, at a diffusion transformer's layer shape
+        # float32 linears: torch.addmm (MKL on x86-64 builds, on some AVX-512 CPUs no faster than
+        # its AVX2 kernels) against oneDNN's, at a diffusion transformer's layer shape
         xf, wf = torch.randn(512, 384, generator=g), torch.randn(1536, 384, generator=g)
         bf = torch.randn(1536, generator=g)
         out["float32_onednn_speedup"] = _speedup(
