@@ -427,12 +427,17 @@ class W8A8Limits:
 
 def w8a8_limits(p: CpuProfile | None = None) -> W8A8Limits | None:
     """The CPU linear layers W8A8 may gain on with profile ``p`` (default: this CPU's), from
-    the float32 GEMM speed the probes measured (the default above under an override or with
-    probes off); None where the ``int8_gemm`` decision is ``float32`` (no layer gains)."""
+    the float32 GEMM speed the probes measured (``torch.mm``'s, or oneDNN's where the
+    ``float32_gemm`` decision takes it: the GEMM the layer would otherwise run), or the default
+    above under an override or with probes off; None where the ``int8_gemm`` decision is
+    ``float32`` (no layer gains)."""
     p = cpu_profile() if p is None else p
     if p.decide("int8_gemm").choice == "float32":
         return None
-    ns = p.probes().get("float32_mm_ns_per_mac")
+    probes = p.probes()
+    ns = probes.get("float32_mm_ns_per_mac")
+    if ns is not None and p.decide("float32_gemm").choice == "onednn":
+        ns /= probes["float32_onednn_speedup"]
     ns, source = (_F32_NS_PER_MAC, "default") if ns is None else (ns, "measured")
     return W8A8Limits(int(W8A8_LAYER_COST_S / (ns * 1e-9)), ns, source)
 

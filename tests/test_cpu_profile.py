@@ -335,6 +335,9 @@ def test_w8a8_layer_limits_follow_the_probes(monkeypatch):
     slow = cpu.w8a8_limits(p)
     assert slow.min_macs == 5_000_000
     assert fast.why_not(256, 256, 128) is not None and slow.why_not(256, 256, 128) is None
+    probes["float32_onednn_speedup"] = 2.0  # float32 layers through oneDNN: twice as fast,
+    monkeypatch.setattr(cpu, "onednn_float32_linear_available", lambda: True)
+    assert cpu.w8a8_limits(p).min_macs == 10_000_000  # so twice the size to gain
     q = _detected({"avx2"})
     probes["int_mm_speedup"] = 0.5
     monkeypatch.setattr(cpu, "quantized_linear_available", lambda: False)
