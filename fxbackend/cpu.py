@@ -36,7 +36,8 @@ Decisions (:meth:`CpuProfile.decide`), each a :class:`Decision` with its reason:
   torch has it: it was the faster of the two at small Flux's shapes on an AVX2-only EPYC
   (docs/BENCHMARKS.md).
 - ``w8a8_layers``: which CPU linear layers W8A8 rewrites (:func:`w8a8_limits`): those whose
-  float32 GEMM (its multiply-adds at the probe's float32 speed) takes at least what a W8A8
+  float32 GEMM (its multiply-adds at the probe's float32 speed: ``torch.mm``'s, or oneDNN's
+  under ``float32_gemm: onednn``) takes at least what a W8A8
   layer adds to its int8 GEMM (its quantize and epilogue passes, its weight check).  A
   smaller layer stays in float32 with that reason; ``options={"quantize_min_size": 0}``
   rewrites every layer.
