@@ -24,7 +24,7 @@ import torch
 
 import fxbackend
 from fxbackend.cpu import onednn_float32_linear
-from fxbackend.patterns.activation import register_gemm
+from fxbackend.patterns.activation import gemm_into, register_gemm
 
 __all__ = ["onednn_gemm_into", "uses_onednn", "AddmmOneDnn", "MmOneDnn"]
 
@@ -56,18 +56,23 @@ def _takes(x: torch.Tensor, bias: torch.Tensor | None, n: int, beta, alpha) -> b
                           bias.shape[0] == n and bias.is_contiguous()))
 
 
-def onednn_gemm_into(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
-                     bias: torch.Tensor | None, beta=1, alpha=1) -> bool:
-    """``y = addmm(bias, x, w)`` by oneDNN's linear where the profile chose it and the operands
-    suit it (module docstring); False (nothing written) otherwise."""
-    if not uses_onednn():
-        return False
+def _linear_into(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                 bias: torch.Tensor | None, beta, alpha) -> bool:
+    """``y = addmm(bias, x, w)`` by oneDNN's linear where the operands suit it; False (nothing
+    written) otherwise.  No profile check: the callers make it."""
     wt = _weight(w)
     if wt is None or not _takes(x, bias, wt.shape[0], beta, alpha) or \
             y.dtype != torch.float32 or tuple(y.shape) != (x.shape[0], wt.shape[0]):
         return False
     y.copy_(onednn_float32_linear(x, wt, bias))
     return True
+
+
+def onednn_gemm_into(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                     bias: torch.Tensor | None, beta=1, alpha=1) -> bool:
+    """``y = addmm(bias, x, w)`` by oneDNN's linear where the profile chose it and the operands
+    suit it (module docstring); False (nothing written) otherwise."""
+    return uses_onednn() and _linear_into(y, x, w, bias, beta, alpha)
 
 
 register_gemm("cpu", onednn_gemm_into)
@@ -117,15 +122,12 @@ class _OneDnnLinear:
         return None, 0
 
     def execute(self, ctx, node, state, inputs, out, workspace) -> None:
+        # the profile was read when the plan chose this kernel (why_not)
         bias, x, w = inputs if self.has_bias else (None, *inputs)
         prm = getattr(node, "params", {}) or {}
-        if not onednn_gemm_into(out, x, w, bias, prm.get("beta", 1), prm.get("alpha", 1)):
-            # other strides or another profile than planned: the torch op, still right
-            if bias is None:
-                torch.mm(x, w, out=out)
-            else:
-                torch.addmm(bias, x, w, beta=prm.get("beta", 1), alpha=prm.get("alpha", 1),
-                            out=out)
+        beta, alpha = prm.get("beta", 1), prm.get("alpha", 1)
+        if not _linear_into(out, x, w, bias, beta, alpha):
+            gemm_into(out, x, w, bias, beta, alpha)  # other strides than planned: still right
 
 
 class AddmmOneDnn(_OneDnnLinear):

@@ -486,8 +486,8 @@ def accumulator_dtype(w_kind: str) -> torch.dtype:
     under this process's profile: float32 (the int32 sums' float32 values) for a float weight
     the plan prepacks for oneDNN, else int32.  The kernels after the GEMM read either; plans
     compile the one they will get."""
-    return _PREPACKED[_engine()[0]][2] if w_kind == "float" and \
-        _engine()[0] in _PREPACKED else torch.int32
+    engine = _engine()[0]
+    return _PREPACKED[engine][2] if w_kind == "float" and engine in _PREPACKED else torch.int32
 
 
 def _gemm(qx: torch.Tensor, qw: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
