@@ -29,11 +29,11 @@ prange = range  # numba.prange once the kernels are built (_numba.once)
 CHUNK = 1 << 16
 
 
-def _partials(words, chunk):  # pragma: no cover - compiled by numba
+def _partials(words, chunk, h1s, h2s):  # pragma: no cover - compiled by numba
+    # the per-chunk sums into h1s / h2s (one slot per chunk), added up by the caller: a sum
+    # of the arrays here (numba's reduction) tripled the cold compile (1.3 s against ~0.4 s)
     n = words.shape[0]
     nchunks = (n + chunk - 1) // chunk
-    h1s = np.zeros(nchunks, np.uint64)
-    h2s = np.zeros(nchunks, np.uint64)
     for c in prange(nchunks):
         lo = c * chunk
         hi = min(lo + chunk, n)
@@ -54,7 +54,6 @@ def _partials(words, chunk):  # pragma: no cover - compiled by numba
             h2 = np.uint32(h2 + np.uint32(np.uint32(x ^ (x >> np.uint32(16))) * m2))
         h1s[c] = h1
         h2s[c] = h2
-    return h1s.sum() & np.uint64(0xFFFFFFFF), h2s.sum() & np.uint64(0xFFFFFFFF)
 
 
 def _build(numba):
@@ -74,8 +73,11 @@ def fingerprint_cpu(t: torch.Tensor) -> int:
     fn = _jit()
     _set_threads()
     if n4:
-        h1, h2 = fn(arr[:n4].view(np.uint32), CHUNK)
-        h1, h2 = int(h1), int(h2)
+        nchunks = -(-(n4 // 4) // CHUNK)
+        h1s, h2s = np.empty(nchunks, np.uint64), np.empty(nchunks, np.uint64)
+        fn(arr[:n4].view(np.uint32), CHUNK, h1s, h2s)
+        h1 = int(h1s.sum()) & 0xFFFFFFFF
+        h2 = int(h2s.sum()) & 0xFFFFFFFF
     else:
         h1 = h2 = 0
     h1, h2 = _weights._tail_mix(h1, h2, n4 // 4, arr[n4:].tobytes())

@@ -294,7 +294,11 @@ def _build(numba) -> tuple:
     # IR inliner trips over a loop variable inlined twice (NumbaIRAssumptionWarning)
     for fn in (_abs_max, _codes):
         register_jitable(fn)
-    _numba.inline(_butterfly, _stage_1, _stage_4, _stage, _quantize_row)
+    # _quantize_row as a function of its own (the stages inlined into it): compiled once per
+    # process and shared by every kernel that quantizes a row, instead of typed again inside
+    # each of them (see the compile-time note of cpu_kernels/int8_fusions.py)
+    register_jitable(_quantize_row)
+    _numba.inline(_butterfly, _stage_1, _stage_4, _stage)
     return _numba.njit(_quantize_kernel), _numba.njit(_epilogue_kernel)
 
 

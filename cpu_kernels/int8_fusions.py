@@ -67,7 +67,14 @@ bf16/fp16 pass as bits (int16/uint16) and convert in registers (``cpu_kernels/ro
 Compilation at plan time (``compile``), cached on disk (``cpu_kernels/_numba.py``): the cache is
 keyed on this file, so a change to a helper it inlines from another file (int8's
 ``_quantize_row``, modulation's or rmsnorm's statistics, the activations, rope's conversions)
-needs a change here or a cleared cache.
+needs a change here or a cleared cache.  Compile time: the quantize step (``_quantize_row``,
+through ``_quantize_into``) and ``_activate`` are functions of their own, not inlined into
+numba's IR: each is then typed and compiled once per process and signature, where inlined
+each kernel typed its own copy again.  With an empty cache that took the first call of small
+Flux with W8A8 from 38.2 to 30.4 s and small UNet's from 29.8 to 23.0 s (2 threads of an AMD
+EPYC with AVX-512; ``scripts/bench_first_call.py --cache empty --families flux,unet
+--dtypes float32 --w8a8``), and the kernels ran as fast as before (``scripts/
+bench_int8_fusions.py``: every fused step level or faster).
 """
 from __future__ import annotations
 
@@ -336,9 +343,9 @@ def _preq_kernel(x, o, q, scales, bt, d, xfs, ofs, act, has_o, scale, op, m, mp,
 
 def _build(numba) -> dict:
     from numba.extending import register_jitable
-    for fn in (_sigmoid, _zero_row, _tasks):
+    for fn in (_sigmoid, _zero_row, _tasks, _activate, _quantize_into):
         register_jitable(fn)
-    _numba.inline(_activate, _epilogue_row, _quantize_into, _task_rows, _scratch_rows)
+    _numba.inline(_epilogue_row, _task_rows, _scratch_rows)
     return dict(gr=_numba.njit(_i8_gr_kernel), mod=_numba.njit(_modq_kernel),
                 actq=_numba.njit(_i8_actq_kernel, error_model="numpy"),
                 act=_numba.njit(_i8_act_kernel, error_model="numpy"),
