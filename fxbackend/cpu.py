@@ -399,48 +399,66 @@ def _decide_int8(p: CpuProfile) -> Decision:
 #: the epilogue pass over the result, the per-call check of the float weight and three kernel
 #: launches.  0.2-0.4 ms a layer in the small UNet's and Flux's per-step profiles (float32
 #: against W8A8, ``[1-1600, 64-1920] x [64-2304]`` layers) on 2 threads of an AMD EPYC with
-#: AVX-512 VNNI; a layer whose float32 GEMM takes less cannot repay it
+#: AVX-512 VNNI; a layer whose GEMM time W8A8 saves is less cannot repay it
 W8A8_LAYER_COST_S = 2e-4
 #: the float32 GEMM's ns per multiply-add where no probe measured it (about 100 GFLOP/s, the
 #: probe's figure on that EPYC)
 _F32_NS_PER_MAC = 0.02
+#: the int8 GEMM's speed-up over float32 where no probe measured it, by ``int8_gemm`` choice:
+#: the lower ends of what ``scripts/bench_int8.py --sections engines`` measured at small Flux's
+#: shapes (``torch._int_mm`` with VNNI 6.8-9.0x; oneDNN's engine on AVX2 kernels 2.0-2.2x,
+#: fbgemm's about as fast on an AVX2-only CPU)
+_INT8_DEFAULT_SPEEDUP = {"int_mm": 6.0, "onednn_linear": 2.0, "quantized_linear": 2.0}
 
 
 @dataclasses.dataclass(frozen=True)
 class W8A8Limits:
     """Which CPU linear layers W8A8 may gain on (:func:`w8a8_limits`): ``[M, K] x [K, N]``
-    with ``M*K*N >= min_macs``, those whose float32 GEMM (``ns_per_mac`` each: the probe's,
-    or the default where it did not run: ``source``) takes at least
-    :data:`W8A8_LAYER_COST_S`."""
+    with ``M*K*N >= min_macs``, those where the GEMM time the int8 GEMM saves (the float32
+    GEMM's, ``ns_per_mac`` each, times ``1 - 1 / speedup``) is at least
+    :data:`W8A8_LAYER_COST_S`; ``source``: "measured" (the probes') or "default" (where they
+    did not run)."""
     min_macs: int
     ns_per_mac: float
     source: str
+    speedup: float = _INT8_DEFAULT_SPEEDUP["int_mm"]
 
     def why_not(self, m: int, k: int, n: int) -> str | None:
         """None when the layer may gain, else why not."""
         macs = m * k * n
         if macs >= self.min_macs:
             return None
-        return (f"its float32 GEMM takes about {macs * self.ns_per_mac * 1e-6:.3f} ms here "
-                f"(M*K*N={macs:,}), less than the {W8A8_LAYER_COST_S * 1e3:.1f} ms a W8A8 "
-                f"layer adds (quantize and epilogue passes, weight check, kernel launches)")
+        f32_ms = macs * self.ns_per_mac * 1e-6
+        return (f"its float32 GEMM takes about {f32_ms:.3f} ms here (M*K*N={macs:,}) and the "
+                f"int8 GEMM ({self.speedup:.1f}x) would save {f32_ms * (1 - 1 / self.speedup):.3f}"
+                f" ms of it, less than the {W8A8_LAYER_COST_S * 1e3:.1f} ms a W8A8 layer adds "
+                f"(quantize and epilogue passes, weight check, kernel launches)")
 
 
 def w8a8_limits(p: CpuProfile | None = None) -> W8A8Limits | None:
     """The CPU linear layers W8A8 may gain on with profile ``p`` (default: this CPU's), from
     the float32 GEMM speed the probes measured (``torch.mm``'s, or oneDNN's where the
-    ``float32_gemm`` decision takes it: the GEMM the layer would otherwise run), or the default
-    above under an override or with probes off; None where the ``int8_gemm`` decision is
-    ``float32`` (no layer gains)."""
+    ``float32_gemm`` decision takes it: the GEMM the layer would otherwise run) and the
+    chosen int8 GEMM's speed-up over it, or the defaults above under an override or with
+    probes off; None where the ``int8_gemm`` decision is ``float32`` (no layer gains)."""
     p = cpu_profile() if p is None else p
-    if p.decide("int8_gemm").choice == "float32":
+    engine = p.decide("int8_gemm").choice
+    if engine == "float32":
         return None
     probes = p.probes()
-    ns = probes.get("float32_mm_ns_per_mac")
+    ns, speedup = probes.get("float32_mm_ns_per_mac"), probes.get(f"{engine}_speedup")
     if ns is not None and p.decide("float32_gemm").choice == "onednn":
         ns /= probes["float32_onednn_speedup"]
-    ns, source = (_F32_NS_PER_MAC, "default") if ns is None else (ns, "measured")
-    return W8A8Limits(int(W8A8_LAYER_COST_S / (ns * 1e-9)), ns, source)
+        speedup = None if speedup is None else speedup / probes["float32_onednn_speedup"]
+    if ns is None or speedup is None:
+        ns, speedup, source = _F32_NS_PER_MAC, _INT8_DEFAULT_SPEEDUP[engine], "default"
+    else:
+        source = "measured"
+    # an int8 GEMM the decision took is faster than float32 by its margin at least; a slower
+    # one against oneDNN's float32 still gains on the largest layers only
+    speedup = max(speedup, MARGIN)
+    saved_per_mac = ns * 1e-9 * (1 - 1 / speedup)
+    return W8A8Limits(int(W8A8_LAYER_COST_S / saved_per_mac), ns, source, speedup)
 
 
 def _decide_w8a8_layers(p: CpuProfile) -> Decision:
@@ -448,9 +466,9 @@ def _decide_w8a8_layers(p: CpuProfile) -> Decision:
     if limits is None:
         return Decision("w8a8_layers", "none", "no int8 GEMM beats float32 here (int8_gemm)")
     return Decision("w8a8_layers", f"M*K*N >= {limits.min_macs / 1e6:.1f}M",
-                    f"float32 GEMM {limits.ns_per_mac:.3f} ns per multiply-add "
-                    f"({limits.source}): a smaller layer's takes less than the "
-                    f"{W8A8_LAYER_COST_S * 1e3:.1f} ms a W8A8 layer adds")
+                    f"float32 GEMM {limits.ns_per_mac:.3f} ns per multiply-add, int8 GEMM "
+                    f"{limits.speedup:.1f}x faster ({limits.source}): in a smaller layer it "
+                    f"saves less than the {W8A8_LAYER_COST_S * 1e3:.1f} ms a W8A8 layer adds")
 
 
 def _cpuinfo() -> tuple[frozenset, str]:

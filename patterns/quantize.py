@@ -36,8 +36,9 @@ with VNNI or AMX-INT8, the prepacked quantized linear engine with 7-bit weight c
 them (AVX2-only CPUs); where it finds no int8 GEMM faster than float32 every CPU layer stays in
 float32, with that reason: quantization there would make the model slower than float32.  Its
 ``w8a8_layers`` decision (:func:`fxbackend.cpu.w8a8_limits`) leaves the CPU layers too small to
-gain in float32 too, each with its reason: a layer whose float32 GEMM takes less than what a
-W8A8 layer adds to its int8 GEMM (the quantize and epilogue passes, the weight check).  The option
+gain in float32 too, each with its reason: a layer where the int8 GEMM saves less of its
+float32 GEMM time than what a W8A8 layer adds to it (the quantize and epilogue passes, the
+weight check).  The option
 ``quantize_min_size`` replaces that limit by a size in multiply-adds (0: every eligible layer,
 on any device).
 """

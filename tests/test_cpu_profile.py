@@ -307,7 +307,8 @@ def test_w8a8_leaves_layers_too_small_to_gain_in_float32(name, monkeypatch):
     report = fxbackend.explain(model, *xs, options={"quantize": "w8a8"})
     assert fxbackend.stats()["rewrites_by_rule"].get("quantize_w8a8", 0) == 1, report
     assert f"cpu decision w8a8_layers: M*K*N >= {limits.min_macs / 1e6:.1f}M" in report
-    assert report.count("(M*K*N=262,144), less than the 0.2 ms a W8A8 layer adds") == 2
+    assert report.count("(M*K*N=262,144) and the int8 GEMM (") == 2
+    assert report.count("ms of it, less than the 0.2 ms a W8A8 layer adds") == 2
     fxbackend.reset_stats()
     fxbackend.explain(model, *xs, options={"quantize": "w8a8", "quantize_min_size": 0})
     assert fxbackend.stats()["rewrites_by_rule"].get("quantize_w8a8", 0) == 3
@@ -320,29 +321,62 @@ def test_w8a8_leaves_layers_too_small_to_gain_in_float32(name, monkeypatch):
 
 
 def test_w8a8_layer_limits_follow_the_probes(monkeypatch):
-    """The limit comes from the float32 GEMM speed the probes measured: on a slower float32
-    GEMM smaller layers are quantized; no int8 path faster than float32, no limit (every
+    """The limit comes from the float32 GEMM speed the probes measured and the chosen int8
+    GEMM's speed-up over it (a layer gains where the GEMM time saved, float32's times
+    ``1 - 1 / speedup``, exceeds what a W8A8 layer adds): on a slower float32 GEMM, or a faster
+    int8 one, smaller layers are quantized; no int8 path faster than float32, no limit (every
     layer declines with the int8_gemm reason)."""
     monkeypatch.setattr(cpu, "int_mm_exact", lambda: True)
     probes = {"int_mm_speedup": 3.0, "quantized_linear_speedup": 0.5,
               "onednn_linear_speedup": 0.5, "float32_mm_ns_per_mac": 0.01}
     monkeypatch.setattr(cpu, "run_probes", lambda p: dict(probes))
+    cost = cpu.W8A8_LAYER_COST_S
     p = _detected({"avx2", "avx512_vnni"})
     fast = cpu.w8a8_limits(p)
-    assert fast.source == "measured" and fast.min_macs == 20_000_000
-    assert "0.010 ns per multiply-add (measured)" in p.decide("w8a8_layers").reason
+    assert fast.source == "measured" and fast.speedup == 3.0
+    assert fast.min_macs == pytest.approx(cost / (0.01e-9 * (1 - 1 / 3)), abs=1)  # 30M
+    assert "0.010 ns per multiply-add, int8 GEMM 3.0x faster (measured)" in \
+        p.decide("w8a8_layers").reason
     probes["float32_mm_ns_per_mac"] = 0.04
     slow = cpu.w8a8_limits(p)
-    assert slow.min_macs == 5_000_000
+    assert slow.min_macs == pytest.approx(fast.min_macs / 4, rel=1e-6)
     assert fast.why_not(256, 256, 128) is not None and slow.why_not(256, 256, 128) is None
+    why = fast.why_not(256, 256, 64)  # 0.042 ms of float32 GEMM, 2/3 of it saved
+    assert "takes about 0.042 ms" in why and "(3.0x) would save 0.028 ms" in why
+    probes["int_mm_speedup"] = 9.0  # the same float32 GEMM, a faster int8 one: smaller layers
+    assert cpu.w8a8_limits(p).min_macs == pytest.approx(slow.min_macs * (2 / 3) / (8 / 9),
+                                                         rel=1e-6)
+    probes.update(int_mm_speedup=3.0, float32_mm_ns_per_mac=0.01)
     probes["float32_onednn_speedup"] = 2.0  # float32 layers through oneDNN: twice as fast,
     monkeypatch.setattr(cpu, "onednn_float32_linear_available", lambda: True)
-    assert cpu.w8a8_limits(p).min_macs == 10_000_000  # so twice the size to gain
+    # and the int8 GEMM only 1.5x faster than that: each layer saves a quarter of what it did
+    assert cpu.w8a8_limits(p).min_macs == pytest.approx(fast.min_macs * 4, rel=1e-6)
+    probes["float32_onednn_speedup"] = 4.0  # an int8 GEMM below the margin against it: the
+    assert cpu.w8a8_limits(p).speedup == cpu.MARGIN  # margin (the decision's floor)
     q = _detected({"avx2"})
     probes["int_mm_speedup"] = 0.5
     monkeypatch.setattr(cpu, "quantized_linear_available", lambda: False)
     assert q.decide("int8_gemm").choice == "float32"
     assert cpu.w8a8_limits(q) is None and q.decide("w8a8_layers").choice == "none"
+
+
+@pytest.mark.parametrize("name,engine", [("avx2", "onednn_linear"), ("avx512", "onednn_linear"),
+                                         ("avx512_vnni", "int_mm"), ("amx", "int_mm")])
+def test_w8a8_layer_limits_without_probes_use_each_engines_default_speedup(name, engine,
+                                                                          monkeypatch):
+    """Under an override (no probes) the limit takes the default float32 speed and the default
+    speed-up of the engine the class chooses: the prepacked engines' AVX2 kernels gain less
+    than ``torch._int_mm`` with VNNI, so a layer must be larger to repay W8A8."""
+    monkeypatch.setenv("FXB_CPU_PROFILE", name)
+    if engine == "onednn_linear":
+        monkeypatch.setattr(cpu, "onednn_linear_available", lambda: True)
+    p = cpu.cpu_profile()
+    assert p.decide("int8_gemm").choice == engine
+    limits = cpu.w8a8_limits(p)
+    s = cpu._INT8_DEFAULT_SPEEDUP[engine]
+    assert limits.source == "default" and limits.speedup == s
+    assert limits.min_macs == pytest.approx(
+        cpu.W8A8_LAYER_COST_S / (cpu._F32_NS_PER_MAC * 1e-9 * (1 - 1 / s)), abs=1)
 
 
 def test_numba_compiles_for_a_named_cpu_only():
