@@ -206,12 +206,14 @@ def _decide(p: CpuProfile, name: str) -> Decision:
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=1)
 def int_mm_exact() -> bool:
     """True when ``torch._int_mm`` on this CPU gives the exact int32 product: a small product
-    at the extremes of int8, checked once per process.  oneDNN's int8 kernels without VNNI
-    (an AVX2-only CPU, or ``ONEDNN_MAX_CPU_ISA=AVX2``) add pairs of u8 x s8 products in
-    saturating 16 bits and are off by up to ~10^5 there; the INT8 kernels then take an exact
-    path instead (the quantized linear engine with 7-bit weights, or float64)."""
+    at the extremes of int8, checked once per process (torch reads its ISA limits at start).
+    oneDNN's int8 kernels without VNNI (``ONEDNN_MAX_CPU_ISA=AVX2`` on a CPU with VNNI) add
+    pairs of u8 x s8 products in saturating 16 bits and are off by up to ~10^5 there; the INT8
+    kernels then take an exact path instead (a prepacked engine with 7-bit weights, or
+    float64), under an ``FXB_CPU_PROFILE`` override too."""
     g = torch.Generator().manual_seed(0)
     qx = torch.randint(-128, 128, (32, 64), dtype=torch.int8, generator=g)
     qw = torch.randint(-128, 128, (32, 64), dtype=torch.int8, generator=g)
@@ -350,10 +352,12 @@ def onednn_linear_gemm(qx: torch.Tensor, packed: tuple, dst: torch.Tensor) -> No
 
 def int8_weight_max(p: CpuProfile | None = None) -> int:
     """The largest weight code W8A8 may use with profile ``p`` (default: this CPU's): 127
-    with VNNI or AMX-INT8 dot products, 63 without (the quantized linear engine's AVX2
-    kernels add two u8 x s8 products in saturating 16 bits: 255 * 63 * 2 < 2^15)."""
+    with VNNI or AMX-INT8 dot products that the int8 kernels use (``torch._int_mm`` exact
+    here), 63 otherwise (the quantized linear engines' AVX2 kernels add two u8 x s8 products
+    in saturating 16 bits: 255 * 63 * 2 < 2^15; so do oneDNN's on a CPU with VNNI under
+    ``ONEDNN_MAX_CPU_ISA=AVX2``)."""
     p = cpu_profile() if p is None else p
-    return 127 if p.has(*_INT8_DOT) else 63
+    return 127 if p.has(*_INT8_DOT) and int_mm_exact() else 63
 
 
 #: the int8 GEMM paths that take a weight prepacked with 7-bit codes where the CPU has no
@@ -365,9 +369,13 @@ _ENGINE_NAMES = {"onednn_linear": "oneDNN", "quantized_linear": "fbgemm"}
 
 def _decide_int8(p: CpuProfile) -> Decision:
     name = "int8_gemm"
-    if p.has(*_INT8_DOT) and (p.overridden or int_mm_exact()):
+    # an override names features, never a path that computes wrong results here: torch._int_mm
+    # is checked for exactness (a product of a few microseconds) whatever the profile says
+    if p.has(*_INT8_DOT) and int_mm_exact():
         have = [f for f in _INT8_DOT if f in p.features]
         return Decision(name, "int_mm", f"torch._int_mm: the CPU has {' and '.join(have)}")
+    lacks = "no VNNI or AMX-INT8" if not p.has(*_INT8_DOT) else \
+        "torch._int_mm is not exact here (its int8 kernels saturate)"
     available = {"onednn_linear": onednn_linear_available(),
                  "quantized_linear": quantized_linear_available()}
     probes = p.probes()
@@ -390,9 +398,9 @@ def _decide_int8(p: CpuProfile) -> Decision:
                                          f"float32): W8A8 declines")
     for choice, what in PREPACKED.items():  # the order measured on an AVX2-only EPYC
         if available[choice]:
-            return Decision(name, choice, f"no VNNI or AMX-INT8: {what}")
-    return Decision(name, "float32", "no VNNI or AMX-INT8 and no quantized linear engine, so "
-                                     "int8 GEMM is slower than float32 here: W8A8 declines")
+            return Decision(name, choice, f"{lacks}: {what}")
+    return Decision(name, "float32", f"{lacks} and no quantized linear engine, so int8 GEMM "
+                                     f"is slower than float32 here: W8A8 declines")
 
 
 #: what a W8A8 layer adds to its int8 GEMM however fast that is: the quantize pass over x,

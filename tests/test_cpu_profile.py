@@ -19,13 +19,17 @@ pytestmark = pytest.mark.cpu_profile
 #: the prepacked int8 engine a class without VNNI takes with no probe: oneDNN's where this
 #: torch has it, else fbgemm's
 PREPACKED = "onednn_linear" if cpu.onednn_linear_available() else "quantized_linear"
+#: the int8 GEMM a class with VNNI or AMX-INT8 takes: torch._int_mm where it is exact here
+#: (every real CPU measured; not with oneDNN limited to AVX2 on a CPU with VNNI, where its
+#: int8 kernels saturate), else the prepacked engine
+DOT = "int_mm" if cpu.int_mm_exact() else PREPACKED
 #: what each class implies: (int8_gemm, bfloat16, float16)
 EXPECTED = {
     "avx2": (PREPACKED, "float32", "float32"),
     "avx512": (PREPACKED, "float32", "float32"),
-    "avx512_vnni": ("int_mm", "float32", "float32"),
-    "avx512_bf16": ("int_mm", "native", "float32"),
-    "amx": ("int_mm", "native", "native"),
+    "avx512_vnni": (DOT, "float32", "float32"),
+    "avx512_bf16": (DOT, "native", "float32"),
+    "amx": (DOT, "native", "native"),
 }
 
 
@@ -141,6 +145,22 @@ def test_a_saturating_int_mm_is_never_chosen(monkeypatch):
     for features in ({"avx2"}, {"avx2", "avx512_vnni"}):
         d = _detected(features).decide("int8_gemm")
         assert d.choice == "float32" and "not exact here" in d.reason
+
+
+@pytest.mark.parametrize("name", ["avx512_vnni", "amx"])
+def test_an_override_never_takes_a_saturating_int_mm(name, monkeypatch, no_probe):
+    """A class with VNNI named on a host where ``torch._int_mm`` is not exact (oneDNN limited
+    to AVX2) takes the prepacked engine with 7-bit weights instead, and says why: an override
+    chooses features, not wrong results."""
+    monkeypatch.setenv("FXB_CPU_PROFILE", name)
+    monkeypatch.setattr(cpu, "int_mm_exact", lambda: False)
+    monkeypatch.setattr(cpu, "onednn_linear_available", lambda: True)
+    d = fxbackend.cpu_profile().decide("int8_gemm")
+    assert d.choice == "onednn_linear" and "torch._int_mm is not exact here" in d.reason
+    assert cpu.int8_weight_max() == 63
+    monkeypatch.setattr(cpu, "int_mm_exact", lambda: True)
+    assert fxbackend.cpu_profile().decide("int8_gemm").choice == "int_mm"
+    assert cpu.int8_weight_max() == 127
 
 
 def test_int_mm_exactness_is_what_the_kernels_compute():
@@ -360,16 +380,13 @@ def test_w8a8_layer_limits_follow_the_probes(monkeypatch):
     assert cpu.w8a8_limits(q) is None and q.decide("w8a8_layers").choice == "none"
 
 
-@pytest.mark.parametrize("name,engine", [("avx2", "onednn_linear"), ("avx512", "onednn_linear"),
-                                         ("avx512_vnni", "int_mm"), ("amx", "int_mm")])
-def test_w8a8_layer_limits_without_probes_use_each_engines_default_speedup(name, engine,
-                                                                          monkeypatch):
+@pytest.mark.parametrize("name", ["avx2", "avx512", "avx512_vnni", "amx"])
+def test_w8a8_layer_limits_without_probes_use_each_engines_default_speedup(name, monkeypatch):
     """Under an override (no probes) the limit takes the default float32 speed and the default
     speed-up of the engine the class chooses: the prepacked engines' AVX2 kernels gain less
     than ``torch._int_mm`` with VNNI, so a layer must be larger to repay W8A8."""
     monkeypatch.setenv("FXB_CPU_PROFILE", name)
-    if engine == "onednn_linear":
-        monkeypatch.setattr(cpu, "onednn_linear_available", lambda: True)
+    engine = EXPECTED[name][0]
     p = cpu.cpu_profile()
     assert p.decide("int8_gemm").choice == engine
     limits = cpu.w8a8_limits(p)

@@ -93,10 +93,14 @@ def _linear_case(x_kind, w_kind, bias, M, K, N, group, gen, dtype=F32, lead=None
 
 
 def _reference(srcs, attrs):
+    """linear_i8's meaning for the kernel of the operands' device: on the CPU a float weight is
+    quantized with the codes the profile's int8 GEMM takes (7 bits on a prepacked engine)."""
     s = I.linear_srcs(srcs, attrs)
+    on_cpu = attrs["w_kind"] == "float" and srcs[0].device.type == "cpu"
+    qmax = fxbackend.cpu.int8_weight_max() if on_cpu else 127
     return linear_i8_reference(**s, x_kind=attrs["x_kind"], w_kind=attrs["w_kind"],
                                group=attrs["group"], m=attrs.get("m", -1),
-                               lead=attrs.get("lead", ()))
+                               lead=attrs.get("lead", ()), w_qmax=qmax)
 
 
 # -- the references --------------------------------------------------------------------------------
