@@ -22,9 +22,10 @@ The override changes decisions only; to run the kernels with narrower vectors to
 
 Decisions (:meth:`CpuProfile.decide`), each a :class:`Decision` with its reason:
 - ``int8_gemm``: how ``sd.linear_i8.v1`` (W8A8) multiplies int8 by int8 on this CPU:
-  ``int_mm`` (``torch._int_mm``) where VNNI or AMX-INT8 dot products exist; without them
-  (AVX2-only CPUs, where ``torch._int_mm`` crawls) a quantized linear engine with the weight
-  prepacked once (:data:`PREPACKED`): ``onednn_linear`` (oneDNN's, the activation codes
+  ``int_mm`` (``torch._int_mm``) where VNNI or AMX-INT8 dot products exist and it is exact
+  (:func:`int_mm_exact`, checked under an override too: never a path that is wrong here);
+  without them (AVX2-only CPUs, where ``torch._int_mm`` crawls) a quantized linear engine with
+  the weight prepacked once (:data:`PREPACKED`): ``onednn_linear`` (oneDNN's, the activation codes
   shifted to unsigned bytes, the float32 result written straight into the layer's output) or
   ``quantized_linear`` (fbgemm's, float codes in, a float32 result copied back as int32).
   Both multiply unsigned by signed bytes into 16-bit pair sums that saturate, so the weight
@@ -35,10 +36,11 @@ Decisions (:meth:`CpuProfile.decide`), each a :class:`Decision` with its reason:
   would replace.  Without probes (an override, ``FXB_CPU_PROBES=0``) oneDNN's is taken where
   torch has it: it was the faster of the two at small Flux's shapes on an AVX2-only EPYC
   (docs/BENCHMARKS.md).
-- ``w8a8_layers``: which CPU linear layers W8A8 rewrites (:func:`w8a8_limits`): those whose
-  float32 GEMM (its multiply-adds at the probe's float32 speed: ``torch.mm``'s, or oneDNN's
-  under ``float32_gemm: onednn``) takes at least what a W8A8
-  layer adds to its int8 GEMM (its quantize and epilogue passes, its weight check).  A
+- ``w8a8_layers``: which CPU linear layers W8A8 rewrites (:func:`w8a8_limits`): those where
+  the int8 GEMM saves at least what a W8A8 layer adds to it (its quantize and epilogue passes,
+  its weight check): the float32 GEMM's time (its multiply-adds at the probe's float32 speed:
+  ``torch.mm``'s, or oneDNN's under ``float32_gemm: onednn``) times ``1 - 1/s``, ``s`` the
+  chosen int8 GEMM's measured speed-up over it.  A
   smaller layer stays in float32 with that reason; ``options={"quantize_min_size": 0}``
   rewrites every layer.
 - ``float32_gemm``: how float32 linears (``addmm``/``mm`` of a transposed weight, and the
