@@ -52,7 +52,7 @@ from fxbackend import TensorMeta
 from fxbackend.cuda_kernels.rope import DTYPES, _cdiv, _launch_on, _next_pow2, _warmup_on, \
     lazy_kernel
 from fxbackend.patterns.int8 import (REGULAR_HADAMARD_GROUPS, Int8Device, LinearKernel,
-                                     QuantizeKernel, check_linear, hadamard_stages,
+                                     QuantizeKernel, check_linear, hadamard_stages, int_dot,
                                      linear_node_why_not, quantize_direct, run_linear,
                                      scales_why_not)
 
@@ -238,13 +238,14 @@ def epilogue_triton(acc: torch.Tensor, out: torch.Tensor, xs: torch.Tensor, ws: 
 
 
 def int_mm(qx, qw, acc) -> torch.Tensor:
-    """``acc = qx @ qw.T`` (int32) by ``torch._int_mm`` on the current stream of acc's device
-    (or on the CPU: the interpreter's tensors); returns ``acc``."""
+    """``acc = qx @ qw.T`` (int32) by ``torch._int_mm`` on the current stream of acc's device;
+    on the CPU (the interpreter's tensors) the exact product of ``patterns/int8.int_dot``
+    (``torch._int_mm`` where it is exact there, else float64); returns ``acc``."""
     if acc.device.type == "cuda":
         with torch.cuda.device(acc.device):
             torch._int_mm(qx, qw.t(), out=acc)
     else:
-        torch._int_mm(qx, qw.t(), out=acc)
+        acc.copy_(int_dot(qx, qw))
     return acc
 
 

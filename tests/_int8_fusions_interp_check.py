@@ -127,7 +127,7 @@ def run_lactq(case: dict) -> dict:
     from fxbackend.cuda_kernels.int8 import linear_i8_triton
     from fxbackend.cuda_kernels.int8_fusions import act_quantize_triton, \
         int8_linear_act_quantize_triton
-    from fxbackend.patterns.int8 import quantize_i8_convrot_reference, \
+    from fxbackend.patterns.int8 import int_dot, quantize_i8_convrot_reference, \
         quantize_weight_i8_reference, unpack
 
     g = _gen(case, torch)
@@ -143,7 +143,7 @@ def run_lactq(case: dict) -> dict:
     want = act_quantize_triton(y, act=act, group=og, block=case["block"])
     assert torch.equal(got, want), _diff(got, want)
     out = torch.empty_like(got)
-    _rule_run("int8_linear_act_quantize", got, torch._int_mm(qx, wq.t()), xs, ws, bias, out,
+    _rule_run("int8_linear_act_quantize", got, int_dot(qx, wq), xs, ws, bias, out,
               out=out, act=act, group=og, dtype=torch.float32)
     return {}
 
@@ -154,7 +154,7 @@ def run_lcast(case: dict) -> dict:
     import torch
     from fxbackend.cuda_kernels.int8 import epilogue_triton, int_mm
     from fxbackend.cuda_kernels.int8_fusions import KERNELS
-    from fxbackend.patterns.int8 import quantize_i8_convrot_reference, \
+    from fxbackend.patterns.int8 import int_dot, quantize_i8_convrot_reference, \
         quantize_weight_i8_reference, unpack
 
     g = _gen(case, torch)
@@ -168,7 +168,7 @@ def run_lcast(case: dict) -> dict:
     acc = torch.empty(m, n, dtype=torch.int32)
     int_mm(qx, wq, acc)
     KERNELS["int8_linear_cast"].run(acc, xs, ws, bias, got)
-    acc = torch._int_mm(qx, wq.t())
+    acc = int_dot(qx, wq)
     y = torch.empty(m, n)
     epilogue_triton(acc, y, xs, ws, bias)
     want = y.to(dt)
