@@ -524,8 +524,8 @@ def test_cancelling_between_quantize_and_gemm(monkeypatch):
         real_quantize(*args)
         plan.cancel()  # as another thread would, while the step quantizes
     monkeypatch.setattr(cpu_int8.DEVICE, "quantize_rows", quantize_then_cancel)
-    real_mm = torch._int_mm
-    monkeypatch.setattr(torch, "_int_mm", lambda *a, **k: gemms.append(1) or real_mm(*a, **k))
+    real_gemm = cpu_int8.DEVICE.gemm  # whichever int8 GEMM this CPU's profile runs
+    monkeypatch.setattr(cpu_int8.DEVICE, "gemm", lambda *a: gemms.append(1) or real_gemm(*a))
     with pytest.raises(services.Cancelled, match="cancelled"):
         cg(*srcs)
     assert gemms == [], "the GEMM must not start after a cancellation"
