@@ -208,7 +208,6 @@ def _decide(p: CpuProfile, name: str) -> Decision:
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=1)
 def int_mm_exact() -> bool:
     """True when ``torch._int_mm`` on this CPU gives the exact int32 product: a small product
     at the extremes of int8, checked once per process (torch reads its ISA limits at start).

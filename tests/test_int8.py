@@ -97,7 +97,7 @@ def _reference(srcs, attrs):
     quantized with the codes the profile's int8 GEMM takes (7 bits on a prepacked engine)."""
     s = I.linear_srcs(srcs, attrs)
     on_cpu = attrs["w_kind"] == "float" and srcs[0].device.type == "cpu"
-    qmax = fxbackend.cpu.int8_weight_max() if on_cpu else 127
+    qmax = fxbackend.cpu.int8_weight_max() if on_cpu else I.QMAX
     return linear_i8_reference(**s, x_kind=attrs["x_kind"], w_kind=attrs["w_kind"],
                                group=attrs["group"], m=attrs.get("m", -1),
                                lead=attrs.get("lead", ()), w_qmax=qmax)
