@@ -26,7 +26,7 @@ demo: $(STAMP)
 # the tests whose outcome depends on the CPU class, run again by test-avx2 with the vectors
 # limited to AVX2 and the AVX2 class pinned (an AVX-512 host then checks the AVX2 paths too)
 ISA_TESTS := tests/test_cpu_profile.py tests/test_upcast.py tests/test_quantize.py tests/test_gemm.py \
-	tests/test_channels_last.py
+	tests/test_channels_last.py tests/test_int8.py
 AVX2_LIMITS := FXB_TEST_CPU_PROFILE=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
 	NUMBA_CPU_NAME=haswell
 

@@ -93,7 +93,8 @@ exactly); the kernels take float32 1-D contiguous scales and 1-D contiguous bias
 dtype) and decline the rest (the reference then runs).
 
 ``torch.library`` ops (namespace ``fxbackend``), so model code can call them eagerly (they run
-the references) and Dynamo traces each as one node; the rewrite rule ``int8_library_ops``
+the references; a float weight on the CPU takes the codes the CPU's int8 kernels take, so eager
+and compiled calls agree) and Dynamo traces each as one node; the rewrite rule ``int8_library_ops``
 turns those nodes into the ``sd.*.v1`` ops above::
 
     torch.ops.fxbackend.quantize_i8_convrot(x, group)
@@ -119,7 +120,7 @@ import torch
 import fxbackend
 from fxbackend import TensorMeta
 from fxbackend.weights import cell as derived_cell, weight_key
-from fxbackend.cpu import int_mm_exact
+from fxbackend.cpu import int8_weight_max, int_mm_exact
 
 __all__ = ["REGULAR_HADAMARD_GROUPS", "MAX_K", "QMAX", "X_KINDS", "W_KINDS", "hadamard",
            "hadamard_stages", "rotate_reference", "quantize_rows_reference", "packed_nbytes",
@@ -871,9 +872,13 @@ def linear_i8(x: torch.Tensor, w: torch.Tensor, w_scale: Optional[torch.Tensor],
               x_scale: Optional[torch.Tensor], bias: Optional[torch.Tensor], x_kind: str,
               w_kind: str, group: int = 1, m: int = -1,
               lead: Optional[list[int]] = None) -> torch.Tensor:
-    """``sd.linear_i8.v1`` as a torch op (eager: the reference); ``lead`` None means ``()``."""
+    """``sd.linear_i8.v1`` as a torch op (eager: the reference); ``lead`` None means ``()``.
+    A float weight on the CPU is quantized with the codes this CPU's int8 kernels take
+    (``fxbackend.cpu.int8_weight_max``: 63 where they add pairs in saturating 16 bits), as
+    the compiled step quantizes it, so eager and compiled calls agree on every CPU class."""
+    w_qmax = int8_weight_max() if w_kind == "float" and w.device.type == "cpu" else QMAX
     return linear_i8_reference(x, w, w_scale, x_scale, bias, x_kind=x_kind, w_kind=w_kind,
-                               group=group, m=m, lead=tuple(lead or ()))
+                               group=group, m=m, lead=tuple(lead or ()), w_qmax=w_qmax)
 
 
 @linear_i8.register_fake

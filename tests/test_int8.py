@@ -571,8 +571,10 @@ def test_library_ops_eagerly_run_the_references():
     assert torch.equal(p, quantize_i8_convrot_reference(x, 16))
     out = torch.ops.fxbackend.linear_i8(p, w, None, None, b, "packed", "float", 16, 10, [2, 5])
     assert out.shape == (2, 5, 8)
+    # a float weight on the CPU takes the codes this CPU's int8 kernels take, as compiled
     assert torch.equal(out, linear_i8_reference(x, w, bias=b, x_kind="float", w_kind="float",
-                                                group=16))
+                                                group=16,
+                                                w_qmax=fxbackend.cpu.int8_weight_max()))
     with pytest.raises(ValueError, match="group must be one of"):
         torch.ops.fxbackend.quantize_i8_convrot(x, 8)
 
