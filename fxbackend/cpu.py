@@ -58,7 +58,9 @@ Probes (:func:`run_probes`): a few small timed ops (well under a second in all),
 time the first time a decision needs them, never inside a call, and cached on disk per CPU model,
 feature set, torch version, thread count and the vector-limiting environment, in
 ``$XDG_CACHE_HOME/fxbackend/cpu/probes.json`` (default ``~/.cache/...``) next to the kernel
-cache.  ``FXB_CPU_PROBES=0`` turns them off (undecided choices then take the conservative
+cache; figures measured while the machine was busy (a 1-minute load average of a core's worth
+per core or more) are used by that process only, never saved.  The report's summary line says
+when and at what load the probes in use were measured.  ``FXB_CPU_PROBES=0`` turns them off (undecided choices then take the conservative
 answer).
 """
 from __future__ import annotations
@@ -161,8 +163,10 @@ class CpuProfile:
                 f"thread(s), features: {feats}")
 
     def report_lines(self) -> list[str]:
-        """The summary, then one line per decision (as the plan report shows them)."""
-        return [self.summary()] + [f"cpu decision {d}" for d in self.decisions()]
+        """The summary (with when and under what load the probes were measured, where they
+        ran), then one line per decision (as the plan report shows them)."""
+        decisions = [f"cpu decision {d}" for d in self.decisions()]
+        return [self.summary() + _probe_note(self.probes())] + decisions
 
 
 DECISIONS = ("int8_gemm", "w8a8_layers", "float32_gemm", "bfloat16", "float16")
@@ -547,6 +551,35 @@ def probe_cache_path() -> str:
     return os.path.join(base, "fxbackend", "cpu", "probes.json")
 
 
+#: a probe measured while the machine's 1-minute load average per core was at least this is
+#: used by the process that measured it but not saved: a busy machine slows the candidate and
+#: its rival unevenly (the int8 GEMM measured 1.1x float32 during a test run, 3.0x on the quiet
+#: machine: 2 cores of an AMX Xeon), and a saved figure decides for every later process
+BUSY_LOAD_PER_CORE = 1.0
+
+
+def _load_per_core() -> float | None:
+    """The 1-minute load average per core, or None where the OS does not give one."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except (OSError, AttributeError):
+        return None
+
+
+def _probe_note(entry: dict) -> str:
+    """What the summary line says of the probes ``entry``: when and at what load they were
+    measured, and whether they were saved; ``""`` without probes."""
+    if not entry:
+        return ""
+    note = f"; probes measured {entry.get('measured', '?')}"
+    load = entry.get("load_per_core")
+    if load is not None:
+        note += f" at load {load:.2f} per core"
+    if entry.get("saved") is False:
+        note += " (not saved: the machine was busy, measured again in the next process)"
+    return note
+
+
 def _key(p: CpuProfile) -> str:
     text = json.dumps([p.model, sorted(p.features), p.isa, torch.__version__, p.threads,
                        [os.environ.get(v, "") for v in _LIMITS], _PROBE_VERSION])
@@ -580,7 +613,7 @@ def _best_seconds(candidate: Callable[[], object], rival: Callable[[], object], 
     return best
 
 
-_PROBE_VERSION = 5
+_PROBE_VERSION = 6
 #: the figures every cached entry must hold (an entry without one is measured again)
 _PROBED_KEYS = {"int_mm_speedup", "quantized_linear_speedup", "onednn_linear_speedup",
                 "bfloat16_mm_speedup",
@@ -650,7 +683,9 @@ def _measure() -> dict:
 
 def run_probes(p: CpuProfile) -> dict:
     """The probes for profile ``p`` (module docstring): from the disk cache, else measured now
-    (and saved).  A cache that cannot be read or written is measured around, never fatal."""
+    and saved, unless the machine was busy (:data:`BUSY_LOAD_PER_CORE`): then this process
+    uses them and the next one measures again.  A cache that cannot be read or written is
+    measured around, never fatal."""
     key = _key(p)
     with _probe_lock:
         if key in _probed:
@@ -663,17 +698,25 @@ def run_probes(p: CpuProfile) -> dict:
             saved = {}
         entry = saved.get(key) if isinstance(saved, dict) else None
         if not isinstance(entry, dict) or not _PROBED_KEYS <= entry.keys():
+            before = _load_per_core()
             entry = _measure()
             entry["measured"] = time.strftime("%Y-%m-%d %H:%M:%S")
-            saved = saved if isinstance(saved, dict) else {}
-            saved[key] = entry
-            try:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-                with os.fdopen(fd, "w") as f:
-                    json.dump(saved, f, indent=1, sort_keys=True)
-                os.replace(tmp, path)
-            except OSError:
-                pass
+            loads = [x for x in (before, _load_per_core()) if x is not None]
+            if loads:
+                entry["load_per_core"] = round(max(loads), 2)
+            busy = bool(loads) and max(loads) >= BUSY_LOAD_PER_CORE
+            if busy:
+                entry["saved"] = False
+            else:
+                saved = saved if isinstance(saved, dict) else {}
+                saved[key] = entry
+                try:
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+                    with os.fdopen(fd, "w") as f:
+                        json.dump(saved, f, indent=1, sort_keys=True)
+                    os.replace(tmp, path)
+                except OSError:
+                    pass
         _probed[key] = entry
         return entry

@@ -221,14 +221,19 @@ def test_prepacked_gemm_is_the_exact_integer_product(engine, m, k, n):
     assert torch.equal(dst.float(), want)
 
 
+_FAKE_PROBES = {"int_mm_speedup": 0.5, "quantized_linear_speedup": 1.0,
+                "onednn_linear_speedup": 1.1, "bfloat16_mm_speedup": 0.2,
+                "bfloat16_conv_speedup": 0.1, "float16_mm_speedup": 0.2,
+                "float16_conv_speedup": 0.1, "float32_mm_ns_per_mac": 0.02,
+                "float32_onednn_speedup": 1.0}
+
+
 def test_probes_are_measured_once_and_cached_on_disk(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(cpu, "_probed", {})
+    monkeypatch.setattr(cpu, "_load_per_core", lambda: 0.25)  # a quiet machine
     calls = []
-    fake = {"int_mm_speedup": 0.5, "quantized_linear_speedup": 1.0,
-            "onednn_linear_speedup": 1.1, "bfloat16_mm_speedup": 0.2,
-            "bfloat16_conv_speedup": 0.1, "float16_mm_speedup": 0.2, "float16_conv_speedup": 0.1,
-            "float32_mm_ns_per_mac": 0.02, "float32_onednn_speedup": 1.0}
+    fake = _FAKE_PROBES
     monkeypatch.setattr(cpu, "_measure", lambda: calls.append(1) or dict(fake))
     p = _detected()
     first = cpu.run_probes(p)
@@ -240,6 +245,39 @@ def test_probes_are_measured_once_and_cached_on_disk(tmp_path, monkeypatch):
     other = cpu.CpuProfile("AVX2", frozenset(), 4, "test CPU", "detected")  # threads: new key
     cpu.run_probes(other)
     assert calls == [1, 1]
+
+
+@pytest.mark.parametrize("loads", [(1.5, 0.2), (0.2, 1.0), (3.0, 3.0)])
+def test_probes_measured_on_a_busy_machine_are_used_but_not_saved(tmp_path, monkeypatch, loads):
+    """A load average of a core's worth per core or more, before or after the probes: this
+    process uses them, the next measures again (and saves them once the machine is quiet);
+    the report's summary line says so."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu, "_probed", {})
+    readings = list(loads)
+    monkeypatch.setattr(cpu, "_load_per_core", lambda: readings.pop(0) if readings else 0.1)
+    calls = []
+    monkeypatch.setattr(cpu, "_measure", lambda: calls.append(1) or dict(_FAKE_PROBES))
+    p = _detected()
+    got = cpu.run_probes(p)
+    assert got["int_mm_speedup"] == 0.5 and got["saved"] is False
+    assert got["load_per_core"] == max(loads)
+    assert not os.path.exists(cpu.probe_cache_path())
+    assert cpu.run_probes(p) is got and calls == [1]  # the same process: not measured again
+    assert "not saved: the machine was busy" in p.report_lines()[0]
+    monkeypatch.setattr(cpu, "_probed", {})  # a new process, on a quiet machine
+    again = cpu.run_probes(p)
+    assert calls == [1, 1] and "saved" not in again and again["load_per_core"] == 0.1
+    assert len(json.loads(open(cpu.probe_cache_path()).read())) == 1
+
+
+def test_probes_are_saved_where_the_os_gives_no_load_average(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu, "_probed", {})
+    monkeypatch.setattr(cpu, "_load_per_core", lambda: None)
+    monkeypatch.setattr(cpu, "_measure", lambda: dict(_FAKE_PROBES))
+    got = cpu.run_probes(_detected())
+    assert "load_per_core" not in got and os.path.exists(cpu.probe_cache_path())
 
 
 def test_real_probes_are_quick_and_finite(tmp_path, monkeypatch):
