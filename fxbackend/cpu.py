@@ -60,8 +60,8 @@ feature set, torch version, thread count and the vector-limiting environment, in
 ``$XDG_CACHE_HOME/fxbackend/cpu/probes.json`` (default ``~/.cache/...``) next to the kernel
 cache; figures measured while the machine was busy (a 1-minute load average of a core's worth
 per core or more) are used by that process only, never saved.  The report's summary line says
-when and at what load the probes in use were measured.  ``FXB_CPU_PROBES=0`` turns them off (undecided choices then take the conservative
-answer).
+when and at what load the probes in use were measured.  ``FXB_CPU_PROBES=0`` turns them off
+(undecided choices then take the conservative answer).
 """
 from __future__ import annotations
 
