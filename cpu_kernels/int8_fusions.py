@@ -1,6 +1,6 @@
 """The INT8 fusions on the CPU (``patterns/int8_fusions.py``): numba kernels registered at the
 bottom as the implementations of ``int8_gated_residual``, ``int8_linear_act_quantize``,
-``int8_linear_act``, ``int8_linear_cast``, ``modulation_quantize``, ``rms_norm_quantize``,
+``int8_linear_glu_quantize``, ``int8_linear_act``, ``int8_linear_cast``, ``modulation_quantize``, ``rms_norm_quantize``,
 ``act_quantize`` and ``scale_quantize`` for "cpu".
 
 Every kernel reuses the jitted helpers of the kernels whose chain it fuses, so that each value
@@ -30,7 +30,11 @@ storage when the output is contiguous, else into workspace)::
 ``int8_linear_act_quantize`` computes the same ``y`` row from an accumulator in workspace, then
 ``round(act(y))`` and the quantize step below, so the float [M, N] hidden of a feed-forward is
 never written (measured 1.12x over ``sd.linear_i8.v1`` + ``fused.act_quantize`` at Flux's and
-SD3's FF-up sizes, 1024 rows, 2 threads).  ``int8_linear_act`` stops after ``round(act(y))``,
+SD3's FF-up sizes, 1024 rows, 2 threads).  ``int8_linear_glu_quantize`` does the same for a
+GEGLU: the ``y`` row of all N columns, then ``round(round(act(y[gate half])) * y[other
+half])`` over N/2 features and the quantize step (``act_quantize``'s maths with the other half
+as its multiplier), so the [M, N] GEMM result is not written and read back.  ``int8_linear_act``
+stops after ``round(act(y))``,
 storing the row into its output (rows of any stride: Flux's single-stream MLP activation lands
 in its slice of the concatenation with the attention output), so the float linear output is
 not written and read back by a separate activation pass.
@@ -107,7 +111,8 @@ from .rmsnorm import _inv_rms, _normed, _round_as
 from .rope import (_NP_OF, _bcast_offsets, _compile_lock, _flat, _load, _set_threads,
                    _store, _why_not_metas)
 
-__all__ = ["int8_gated_residual_cpu", "int8_linear_act_quantize_cpu", "int8_linear_act_cpu",
+__all__ = ["int8_gated_residual_cpu", "int8_linear_act_quantize_cpu",
+           "int8_linear_glu_quantize_cpu", "int8_linear_act_cpu",
            "modulation_quantize_cpu", "rms_norm_quantize_cpu", "act_quantize_cpu",
            "compile_kernels", "KERNELS"]
 
@@ -234,6 +239,34 @@ def _i8_actq_kernel(acc, xs, ws, b, has_b, q, scales, m, mp, n, act, nst, inv, c
             _quantize_into(yv, rb, q, scales, ru, ku, nst, inv)
 
 
+def _i8_gluq_kernel(acc, xs, ws, b, has_b, q, scales, m, mp, n, gate, act, nst, inv, chunk, t):
+    """Packed rows 0 .. mp-1 of ``h = n // 2`` features in tasks of ``chunk``: rows below m
+    through linear_i8's epilogue over all n columns (into the scratch ``yv``), rounded to t's
+    element type T, the activation of half ``gate`` (rounded to T) times the other half
+    (rounded to T), then quantized; the rest padding."""
+    h = n // 2
+    ku = np.uint64(h)
+    g0 = gate * h
+    o0 = h - g0
+    for task in prange(_tasks(mp, chunk)):
+        yv = np.empty(n, np.float32)
+        xv, rb = _scratch_rows(h)
+        r0, r1 = _task_rows(task, chunk, mp)
+        for row in range(r0, r1):
+            ru = np.uint64(row)
+            if row >= m:
+                _zero_row(q, scales, ru, ku)
+                continue
+            ar = acc[row * n:row * n + n]
+            _epilogue_row(yv, ar, xs[row], ws, b, has_b, n)
+            for e in range(h):
+                xv[e] = _round_as(t, yv[g0 + e])
+            _activate(t, xv, h, act)
+            for e in range(h):
+                xv[e] = _round_as(t, xv[e] * _round_as(t, yv[o0 + e]))
+            _quantize_into(xv, rb, q, scales, ru, ku, nst, inv)
+
+
 def _i8_act_kernel(acc, xs, ws, b, has_b, out, m, n, osr, act, chunk, t):
     """Rows 0 .. m-1 in tasks of ``chunk``: linear_i8's epilogue of accumulator row r (into the
     scratch ``yv``), rounded to t's element type T (a 16-bit layer's cast; nothing for
@@ -348,6 +381,7 @@ def _build(numba) -> dict:
     _numba.inline(_epilogue_row, _task_rows, _scratch_rows)
     return dict(gr=_numba.njit(_i8_gr_kernel), mod=_numba.njit(_modq_kernel),
                 actq=_numba.njit(_i8_actq_kernel, error_model="numpy"),
+                gluq=_numba.njit(_i8_gluq_kernel, error_model="numpy"),
                 act=_numba.njit(_i8_act_kernel, error_model="numpy"),
                 rms=_numba.njit(_rmsq_kernel),
                 # error_model="numpy": no ZeroDivisionError checks in the activations' loops
@@ -492,6 +526,55 @@ def _why_not_act(m, n, out, act, group, **_) -> str | None:
     if act not in PRE_ACTS:
         return f"activation {act!r} (one of {PRE_ACTS})"
     return _why_not_group(n, group) or _why_not_out(out, m, n)
+
+
+# -- int8_linear_glu_quantize ----------------------------------------------------------------------
+
+def _gluq_launch(acc, xs, ws, bias, out, act, gate, group, dtype=torch.float32) -> None:
+    m, n = acc.shape
+    q, sc, mp = _packed_views(out, m, n // 2)
+    if mp == 0:
+        return
+    nst = hadamard_stages(group)
+    k = _jit()["gluq"]
+    chunk = _chunk(mp, n, _set_threads())
+    b = _flat(bias, n) if bias is not None else np.zeros(0, np.float32)
+    k(_flat(acc, m * n), _flat(xs, m), _flat(ws, n), b, bias is not None, q, sc, m, mp, n,
+      gate, ACT_IDS[act], nst, np.float32(2.0 ** -nst), chunk, np.zeros(0, _NP_OF[dtype]))
+
+
+def int8_linear_glu_quantize_cpu(qx: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
+                                 w_scale: torch.Tensor, bias: torch.Tensor | None = None, *,
+                                 act: str, gate: int, group: int = 1,
+                                 out: torch.Tensor | None = None,
+                                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``quantize(act(y[..., gate half]) * y[..., other half], group)`` of ``y =
+    linear_i8(qx, w)`` for int8 rows ``qx [M, K]`` with their float32 scales and an int8
+    weight ``w [N, K]`` (N even) with ``w_scale [N]``: ``torch._int_mm`` into a temporary
+    accumulator, then one pass per row (module docstring); the packed layout of ``[M, N/2]``
+    (into ``out`` when given).  ``gate`` 0 activates the first half, 1 the second (diffusers'
+    GEGLU: ``hidden, gate = y.chunk(2, -1)``, so 1).  ``dtype`` bfloat16/float16: a 16-bit
+    layer's chain.  ValueError for inputs the kernels do not take."""
+    who = "int8_linear_glu_quantize_cpu"
+    if dtype not in FLOATS:
+        raise ValueError(f"{who}: dtype {dtype} (float32, bfloat16 or float16)")
+    metas, M, N = _int8_call_metas(who, qx, x_scale, w, w_scale, bias)
+    if out is None:
+        out = torch.empty(packed_nbytes(M, N // 2), dtype=torch.int8)
+    _int8_call_check(who, metas, _why_not_glu(M, N, TensorMeta.of(out), act, gate, group))
+    acc = _i8._gemm(qx, w, torch.empty(M, N, dtype=torch.int32))
+    _gluq_launch(acc, x_scale, w_scale, bias, out, act, gate, group, dtype)
+    return out
+
+
+def _why_not_glu(m, n, out, act, gate, group, **_) -> str | None:
+    if act not in PRE_ACTS:
+        return f"activation {act!r} (one of {PRE_ACTS})"
+    if isinstance(gate, bool) or gate not in (0, 1):
+        return f"gate {gate!r} (0 or 1: the half the activation takes)"
+    if n % 2:
+        return f"{n} output features do not split into two halves"
+    return _why_not_group(n // 2, group) or _why_not_out(out, m, n // 2)
 
 
 # -- int8_linear_act -------------------------------------------------------------------------------
@@ -732,9 +815,9 @@ def act_quantize_cpu(x: torch.Tensor, other: torch.Tensor | None = None,
 def compile_kernels(kind: str, dtype: torch.dtype | None, other_dtype=None,
                     acc_dtype: torch.dtype = torch.int32) -> None:
     """Compile (or load from the disk cache) one kernel of this file by a call with no rows on
-    exactly the types a launch passes: ``kind`` "gr" / "actq" / "act" (``dtype``: the bias's,
-    None: no bias; ``other_dtype``: the chain's dtype, None: float32; ``acc_dtype``: the
-    accumulator's, ``cpu_kernels/int8.accumulator_dtype``),
+    exactly the types a launch passes: ``kind`` "gr" / "actq" / "gluq" / "act" (``dtype``: the
+    bias's, None: no bias; ``other_dtype``: the chain's dtype, None: float32; ``acc_dtype``:
+    the accumulator's, ``cpu_kernels/int8.accumulator_dtype``),
     "mod" / "pre" (x's dtype), "rms" (x's dtype; ``other_dtype``: ``(weight dtype or None,
     the norm's output dtype)``).  Thread-safe."""
     k = _jit()[kind]
@@ -751,6 +834,10 @@ def compile_kernels(kind: str, dtype: torch.dtype | None, other_dtype=None,
         elif kind == "actq":
             b = np.zeros(0, _NP_OF[dtype or torch.float32])
             k(acc, z32, z32, b, dtype is not None, q, z32, 0, 0, 4, 1, 1,
+              np.float32(0.5), 1, np.zeros(0, _NP_OF[other_dtype or torch.float32]))
+        elif kind == "gluq":
+            b = np.zeros(0, _NP_OF[dtype or torch.float32])
+            k(acc, z32, z32, b, dtype is not None, q, z32, 0, 0, 4, 1, 1, 1,
               np.float32(0.5), 1, np.zeros(0, _NP_OF[other_dtype or torch.float32]))
         elif kind == "act":
             b = np.zeros(0, _NP_OF[dtype or torch.float32])
@@ -771,7 +858,8 @@ def compile_kernels(kind: str, dtype: torch.dtype | None, other_dtype=None,
               np.zeros((1, 3), np.int64), 4, np.float32(1e-6), w_dtype is not None, 0, 0, 1,
               np.float32(0.5), 1)
         else:
-            raise ValueError(f"compile_kernels: kind {kind!r} (gr, actq, act, mod, pre, rms)")
+            raise ValueError(f"compile_kernels: kind {kind!r} (gr, actq, gluq, act, mod, pre, "
+                             f"rms)")
 
 
 # -- the kernels of the rules (patterns/int8_fusions.FusedKernel) ----------------------------------
@@ -865,6 +953,9 @@ KERNELS = {
     "int8_linear_act_quantize": FusedKernel(
         "int8_linear_act_quantize_cpu", _rows_why_not(_why_not_act), _actq_launch,
         _compile_epilogue("actq"), dtypes=FLOATS),
+    "int8_linear_glu_quantize": FusedKernel(
+        "int8_linear_glu_quantize_cpu", _rows_why_not(_why_not_glu), _gluq_launch,
+        _compile_epilogue("gluq"), dtypes=FLOATS),
     # writes rows of any stride (Flux's single-stream MLP: a slice of a concatenation)
     "int8_linear_act": FusedKernel("int8_linear_act_cpu", _rows_why_not(_why_not_act_out),
                                    _act_launch, _compile_epilogue("act"), dtypes=FLOATS,

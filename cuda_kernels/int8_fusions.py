@@ -1,6 +1,6 @@
 """The INT8 fusions on CUDA (``patterns/int8_fusions.py``): Triton kernels registered at the
 bottom as the implementations of ``int8_gated_residual``, ``int8_linear_act_quantize``,
-``modulation_quantize``, ``rms_norm_quantize``, ``act_quantize`` and ``scale_quantize`` for
+``int8_linear_glu_quantize``, ``int8_linear_cast``, ``modulation_quantize``, ``rms_norm_quantize``, ``act_quantize`` and ``scale_quantize`` for
 "cuda".  The integer GEMM
 runs through ``torch._int_mm`` (cuBLASLt) on the current stream, as in ``cuda_kernels/int8.py``.
 
@@ -24,6 +24,9 @@ chain rounds it).
 - ``int8_linear_act_quantize`` (``_i8_actq_kernel``): the accumulator in workspace, then one
   program per packed row, blocks of BLOCK features: ``linear_i8``'s epilogue statements, the
   activation, zero tail, rotation; two passes for rows longer than MAX_BLOCK (Flux's 12288).
+- ``int8_linear_glu_quantize`` (``_i8_gluq_kernel``): the same over N/2 packed features, each
+  block reading both halves of the accumulator row (the epilogue statements on each), then the
+  activation of one half times the other (``act_quantize``'s prologue with a multiplier).
 - ``modulation_quantize`` (``_modq_kernel``): one program per packed row: the modulation
   kernel's statements on a ``[1, BLOCK_D]`` row (``cuda_kernels/modulation.py``; at Flux's and
   SD3's widths its plan also takes one row per program, with the same warps, so the statistics'
@@ -70,6 +73,7 @@ from fxbackend.patterns.modulation import NORMS
 from fxbackend.patterns.rmsnorm import rms_norm_out_dtype
 
 __all__ = ["int8_gated_residual_triton", "int8_linear_act_quantize_triton",
+           "int8_linear_glu_quantize_triton",
            "modulation_quantize_triton", "rms_norm_quantize_triton", "act_quantize_triton",
            "KERNELS", "MAX_D"]
 
@@ -291,8 +295,61 @@ def _i8_actq_kernel(acc_ptr, xs_ptr, ws_ptr, b_ptr, q_ptr, sc_ptr, n_rows, N, in
         tl.store(sc_ptr + row, tl.where(row_ok, qs, 0.0))
 
 
-_HELPERS = _HELPERS + ("_store_packed", "_preq_block", "_actq_block")
+def _epilogue_at(acc_ptr, xs, ws_ptr, b_ptr, row, col, ok, N, HAS_BIAS: tl.constexpr):
+    """linear_i8's epilogue of the accumulator row ``row`` at columns ``col`` (float32)."""
+    a = tl.load(acc_ptr + row * N + col, mask=ok, other=0)
+    y = a.to(tl.float32) * xs
+    y = y * tl.load(ws_ptr + col, mask=ok, other=0.0)
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + col, mask=ok, other=0.0).to(tl.float32)
+    return y
+
+
+def _gluq_block(acc_ptr, xs, ws_ptr, b_ptr, row, lim, start, f, N, H, g0, inv,
+                ACT: tl.constexpr, HAS_BIAS: tl.constexpr, NST: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """One block of H features: linear_i8's epilogue of both halves of an accumulator row
+    (the activated half at column ``g0``), the activation times the other half, the rotation
+    (zeros past ``lim``: H, or 0 in a padding row)."""
+    ok = start + f < lim
+    yg = _epilogue_at(acc_ptr, xs, ws_ptr, b_ptr, row, g0 + start + f, ok, N, HAS_BIAS)
+    yo = _epilogue_at(acc_ptr, xs, ws_ptr, b_ptr, row, H - g0 + start + f, ok, N, HAS_BIAS)
+    v = _prologue(yg, yo, 1.0, tl.float32, ACT, True, 0)
+    return _i8._rotate(tl.where(ok, v, 0.0), inv, NST, BLOCK)
+
+
+def _i8_gluq_kernel(acc_ptr, xs_ptr, ws_ptr, b_ptr, q_ptr, sc_ptr, n_rows, N, H, g0, inv,
+                    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, NST: tl.constexpr,
+                    BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    row_ok = row < n_rows
+    xs = tl.load(xs_ptr + tl.where(row_ok, row, 0))
+    lim = tl.where(row_ok, H, 0)
+    f = tl.arange(0, BLOCK)
+    if ONE_PASS:
+        r = _gluq_block(acc_ptr, xs, ws_ptr, b_ptr, row, lim, 0, f, N, H, g0, inv, ACT,
+                        HAS_BIAS, NST, BLOCK)
+        _store_packed(q_ptr, sc_ptr, row, row_ok, r, f, H, BLOCK)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, H, BLOCK):
+            r = _gluq_block(acc_ptr, xs, ws_ptr, b_ptr, row, lim, start, f, N, H, g0, inv, ACT,
+                            HAS_BIAS, NST, BLOCK)
+            amax = tl.maximum(amax, tl.abs(r))
+        qs = tl.div_rn(tl.max(amax, axis=0), 127.0)
+        qs = tl.where(qs == 0.0, 1.0, qs)
+        for start in range(0, H, BLOCK):
+            r = _gluq_block(acc_ptr, xs, ws_ptr, b_ptr, row, lim, start, f, N, H, g0, inv, ACT,
+                            HAS_BIAS, NST, BLOCK)
+            codes = tl.where(row_ok, _i8._codes(r, qs), 0).to(tl.int8)
+            tl.store(q_ptr + row * H + start + f, codes, mask=start + f < H)
+        tl.store(sc_ptr + row, tl.where(row_ok, qs, 0.0))
+
+
+_HELPERS = _HELPERS + ("_store_packed", "_preq_block", "_actq_block", "_epilogue_at",
+                       "_gluq_block")
 _actq = _lazy(_i8_actq_kernel)
+_gluq = _lazy(_i8_gluq_kernel)
 _gr_kernel = _lazy(_i8_gr_kernel)
 _modq = _lazy(_modq_kernel)
 _rmsq = _lazy(_rmsq_kernel)
@@ -396,6 +453,57 @@ def int8_linear_act_quantize_triton(qx, x_scale, w, w_scale, bias=None, *, act, 
     acc = torch.empty(M, N, dtype=torch.int32, device=qx.device)
     _i8.int_mm(qx, w, acc)
     _actq_launch(acc, x_scale, w_scale, bias, out, act, group, block)
+    return out
+
+
+# -- int8_linear_glu_quantize ----------------------------------------------------------------------
+
+def _gluq_plan(m: int, n: int, gate: Any, group: int, block: int | None = None) -> tuple:
+    if isinstance(gate, bool) or gate not in (0, 1):
+        raise ValueError(f"gate {gate!r} (0 or 1: the half the activation takes)")
+    if n % 2:
+        raise ValueError(f"{n} output features do not split into two halves")
+    return _actq_plan(m, n // 2, group, block)
+
+
+def _gluq_launch(acc, xs, ws, bias, out, act, gate, group, block=None) -> None:
+    m, n = acc.shape
+    grid, blk, nw = _gluq_plan(m, n, gate, group, block)
+    if grid[0] == 0:
+        return
+    h = n // 2
+    q, sc = _packed_parts(out, m, h)
+    nst = hadamard_stages(group)
+    _launch_on(acc.device, _gluq()[grid],
+               (acc, xs, ws, acc if bias is None else bias, q, sc, m, n, h, gate * h,
+                2.0 ** -nst),
+               dict(ACT=ACT_IDS[act], HAS_BIAS=bias is not None, NST=nst, BLOCK=blk,
+                    ONE_PASS=h <= blk, num_warps=nw, enable_fp_fusion=False))
+
+
+def int8_linear_glu_quantize_triton(qx, x_scale, w, w_scale, bias=None, *, act, gate, group=1,
+                                    out=None, block=None) -> torch.Tensor:
+    """``quantize(act(y[..., gate half]) * y[..., other half], group)`` of ``y =
+    linear_i8(qx, w)`` for int8 rows ``qx [M, K]`` (their float32 scales ``x_scale``) and an
+    int8 weight ``w [N, K]`` (N even; ``w_scale``): ``torch._int_mm`` into a temporary
+    accumulator, then ``_i8_gluq_kernel``; the packed layout of ``[M, N/2]`` (into ``out``
+    when given).  ``gate`` 0 activates the first half, 1 the second.  ``block``: features per
+    block (tests: small ones take the two-pass path).  Checks the op's contract only."""
+    who = "int8_linear_glu_quantize_triton"
+    M, K, N, _ = check_linear(*(None if t is None else TensorMeta.of(t)
+                                for t in (qx, w, w_scale, x_scale, bias)),
+                              x_kind="int8", w_kind="int8", group=1, m=-1, lead=(), who=who)
+    if act not in PRE_ACTS:
+        raise ValueError(f"{who}: activation {act!r}")
+    try:
+        _gluq_plan(M, N, gate, group, block)
+    except ValueError as e:
+        raise ValueError(f"{who}: {e}") from None
+    if out is None:
+        out = torch.empty(packed_nbytes(M, N // 2), dtype=torch.int8, device=qx.device)
+    acc = torch.empty(M, N, dtype=torch.int32, device=qx.device)
+    _i8.int_mm(qx, w, acc)
+    _gluq_launch(acc, x_scale, w_scale, bias, out, act, gate, group, block)
     return out
 
 
@@ -756,6 +864,35 @@ def _actq_run(acc, xs, ws, bias, out, *, act, group, **_) -> None:
     _actq_launch(acc, xs, ws, bias, out, act, group)
 
 
+@_errors_as_reasons
+def _gluq_why_not(y, out, *, act, gate, group, **_) -> str | None:
+    n = y.shape[-1]
+    if act not in PRE_ACTS:
+        return f"activation {act!r} (one of {PRE_ACTS})"
+    _gluq_plan(y.numel // n, n, gate, group)
+    return _why_not_cuda((out,)) or _why_not_out(out, y.numel // n, n // 2)
+
+
+def _gluq_compile(linear, y, out, *, act, gate, group, **_) -> None:
+    """Plan-time warm-up of the pass (CUDA only)."""
+    if y.device.type != "cuda":
+        return
+    n = y.shape[-1]
+    m = y.numel // n
+    grid, blk, nw = _gluq_plan(m, n, gate, group)
+    b = bias_dtype(linear)
+    nst = hadamard_stages(group)
+    _warmup_on(y.device, _gluq, (torch.int32, torch.float32, torch.float32,
+                                 torch.int32 if b is None else b, torch.int8, torch.float32,
+                                 m, n, n // 2, gate * (n // 2), 2.0 ** -nst),
+               dict(ACT=ACT_IDS[act], HAS_BIAS=b is not None, NST=nst, BLOCK=blk,
+                    ONE_PASS=n // 2 <= blk, num_warps=nw, enable_fp_fusion=False, grid=grid))
+
+
+def _gluq_run(acc, xs, ws, bias, out, *, act, gate, group, **_) -> None:
+    _gluq_launch(acc, xs, ws, bias, out, act, gate, group)
+
+
 def _cast_why_not(y, out, **_) -> str | None:
     if out.dtype not in (torch.bfloat16, torch.float16):
         return f"output dtype {out.dtype} (bfloat16 or float16)"
@@ -826,6 +963,8 @@ KERNELS = {
                                        _gr_compile, capture_safe=False),
     "int8_linear_act_quantize": FusedKernel("int8_linear_act_quantize_triton", _actq_why_not,
                                             _actq_run, _actq_compile, capture_safe=False),
+    "int8_linear_glu_quantize": FusedKernel("int8_linear_glu_quantize_triton", _gluq_why_not,
+                                            _gluq_run, _gluq_compile, capture_safe=False),
     # sd.linear_i8.v1's Triton epilogue storing the 16-bit output
     "int8_linear_cast": FusedKernel("int8_linear_cast_triton", _cast_why_not, _cast_run,
                                     capture_safe=False),

@@ -11,6 +11,8 @@ go to memory:
     #                                                       =>  fused.int8_gated_residual
     # sd.linear_i8 -> views* -> gelu|gelu_tanh|silu|sigmoid -> [clone] -> views* -> quantize
     #                                                       =>  fused.int8_linear_act_quantize
+    # sd.linear_i8 -> views* -> split(N/2) -> getitem x2 -> act(half) -> mul(other half)
+    #   -> [clone] -> views* -> quantize                    =>  fused.int8_linear_glu_quantize
     # sd.linear_i8 -> views* -> gelu|gelu_tanh|silu|sigmoid =>  fused.int8_linear_act
     # sd.linear_i8 -> _to_copy bf16|fp16                    =>  fused.int8_linear_cast
     # norm [no affine] -> [add(s, c) -> views] -> mul -> add -> views* -> quantize
@@ -20,7 +22,7 @@ go to memory:
     #                                                       =>  fused.act_quantize
     # mul|div(x, scalar) [-> clone] -> views* -> quantize   =>  fused.scale_quantize
 
-Rules are data.  The four rules after an ``sd.linear_i8.v1`` step are rows of
+Rules are data.  The five rules after an ``sd.linear_i8.v1`` step are rows of
 :data:`EPILOGUES` (how the chain is found, the rule's reasons, how ``optimize`` gathers it),
 all run by :class:`Int8EpilogueFusion`: the device's GEMM (``patterns/int8.Int8Device``, shared
 with the linear kernel) into an int32 accumulator, then one kernel pass.  The rules ending at a
@@ -41,12 +43,14 @@ compete only with the float rules that start at the same node):
   ``norm -> mul -> add`` prefix and leave the quantize step alone;
 - ``rms_norm_quantize`` 6, above ``rms_rope`` and ``modulation`` (the three start at an
   ``sd.rms_norm.v1`` node; their chains end differently, so at most one matches);
-- ``int8_gated_residual``, ``int8_linear_act_quantize``, ``act_quantize``, ``scale_quantize``
-  6 (the first two start at ``sd.linear_i8.v1`` and their chains end differently, so at most
-  one matches; no other rule starts at a standalone activation or at a scalar multiply
+- ``int8_gated_residual``, ``int8_linear_act_quantize``, ``int8_linear_glu_quantize``,
+  ``act_quantize``, ``scale_quantize`` 6 (the first three start at ``sd.linear_i8.v1`` and
+  their chains end differently, so at most one matches; no other rule starts at a standalone activation or at a scalar multiply
   followed by a quantize step; ``scale_cast`` starts at a scalar multiply followed by a cast).
   ``int8_linear_act_quantize`` is tried at the linear, before ``act_quantize`` sees the
-  activation (matching goes left to right), so it takes the longer chain;
+  activation (matching goes left to right), so it takes the longer chain, as
+  ``int8_linear_glu_quantize`` takes a GEGLU's whole chain before ``act_quantize`` sees its
+  activation and multiply;
 - ``int8_linear_act`` 5 and ``int8_linear_cast`` 4: the same start, shorter chains (a 16-bit
   layer's linear -> cast -> activation goes to ``int8_linear_act``, a cast alone to
   ``int8_linear_cast``).
@@ -65,6 +69,9 @@ Bit-exactness (what "the unfused chain" means for each):
 - ``rms_norm_quantize``: equal to the ``sd.rms_norm.v1`` kernel followed by the quantize kernel;
 - ``int8_linear_act_quantize``: ``linear_i8``'s epilogue, then ``act_quantize``'s maths: equal
   to ``sd.linear_i8.v1`` followed by ``fused.act_quantize``;
+- ``int8_linear_glu_quantize``: ``linear_i8``'s epilogue over the whole row, then
+  ``act_quantize``'s maths with the activated half and its multiplier: equal to
+  ``sd.linear_i8.v1`` followed by ``fused.act_quantize``;
 - ``int8_linear_act``: ``linear_i8``'s epilogue, then the same activation maths (a few float32
   ulp from torch's activation, as for ``act_quantize`` below), rounded to the chain's dtype;
 - ``int8_linear_cast``: ``linear_i8``'s epilogue rounded once to the 16-bit dtype: equal to
@@ -107,7 +114,8 @@ __all__ = ["QUANTIZE", "LINEAR_I8", "PRE_ACTS", "SCALE_OPS", "ACT_IDS", "FusedKe
            "ModulationQuantizeFusion", "RmsNormQuantizeFusion", "PrologueQuantizeFusion",
            "PROLOGUES", "QUANTIZE_FEEDS", "register_int8_fusions", "never_raises", "bias_dtype",
            "direct_gemm",
-           "int8_gated_residual_reference", "int8_linear_act_quantize_reference", "packed_out",
+           "int8_gated_residual_reference", "int8_linear_act_quantize_reference",
+           "int8_linear_glu_quantize_reference", "packed_out",
            "expand_scale_shift", "modulation_quantize_reference", "rms_norm_quantize_reference",
            "act_quantize_reference", "prologue_reference", "ReferenceQuantizeImpl",
            "row_view_chain"]
@@ -154,6 +162,21 @@ def int8_linear_act_quantize_reference(x, w, w_scale=None, x_scale=None, bias=No
     y = linear_i8_reference(x, w, w_scale, x_scale, bias, x_kind=x_kind, w_kind=w_kind,
                             group=group, m=m, lead=lead)
     return quantize_i8_convrot_reference(_act_torch(y, act), out_group)
+
+
+def int8_linear_glu_quantize_reference(x, w, w_scale=None, x_scale=None, bias=None, *, act,
+                                       gate, x_kind, w_kind, group=1, m=-1, lead=(),
+                                       out_group=1) -> torch.Tensor:
+    """The unfused chain: ``sd.linear_i8.v1`` (``linear_i8_reference``) split into two halves
+    of its last dim, torch's activation ``act`` of half ``gate`` times the other half, then
+    ``sd.quantize_i8_convrot.v1 {out_group}``."""
+    y = linear_i8_reference(x, w, w_scale, x_scale, bias, x_kind=x_kind, w_kind=w_kind,
+                            group=group, m=m, lead=lead)
+    if gate not in (0, 1):
+        raise ValueError(f"gate must be 0 or 1 (the activated half), got {gate!r}")
+    halves = y.chunk(2, dim=-1)
+    return quantize_i8_convrot_reference(_act_torch(halves[gate], act) * halves[1 - gate],
+                                         out_group)
 
 
 def modulation_quantize_reference(x, scale, shift, eps, norm="layer", add_c=1.0, group=1):
@@ -703,10 +726,10 @@ def _gr_gather(users, lin) -> list | None:
 
 # -- int8_linear_act_quantize, int8_linear_act
 
-def _linear_act_at(nodes, i):
-    """``(linear, cast or None, activation node, act, its index)`` for the run ``sd.linear_i8
-    -> [_to_copy bf16|fp16] -> row views* -> gelu|gelu_tanh|silu|sigmoid`` starting at
-    ``nodes[i]``, or None."""
+def _linear_head(nodes, i):
+    """``(linear, cast or None, last node, index after it)`` for ``sd.linear_i8 -> [_to_copy
+    bf16|fp16] -> row views*`` starting at ``nodes[i]``, or None where no fused epilogue can
+    start there (``_starts``)."""
     lin = nodes[i]
     if not _starts(lin):
         return None
@@ -717,8 +740,30 @@ def _linear_act_at(nodes, i):
     while k < len(nodes) and _is_row_view(nodes[k], prev):
         prev = nodes[k]
         k += 1
-    if k >= len(nodes):
+    return lin, cast, prev, k
+
+
+def _head_users(users, lin) -> tuple:
+    """By dataflow (single users): ``([lin, cast?, row views*], the next single user or
+    None)``."""
+    chain, u = [lin], _one_user(users, lin)
+    if u is not None and _is_cast_of(u, lin):
+        chain.append(u)
+        u = _one_user(users, u)
+    while u is not None and _is_row_view(u, chain[-1]):
+        chain.append(u)
+        u = _one_user(users, u)
+    return chain, u
+
+
+def _linear_act_at(nodes, i):
+    """``(linear, cast or None, activation node, act, its index)`` for the run ``sd.linear_i8
+    -> [_to_copy bf16|fp16] -> row views* -> gelu|gelu_tanh|silu|sigmoid`` starting at
+    ``nodes[i]``, or None."""
+    head = _linear_head(nodes, i)
+    if head is None or head[3] >= len(nodes):
         return None
+    lin, cast, prev, k = head
     act_node = nodes[k]
     act = _pre_act_of(act_node)
     if act is None or act_node.srcs != [prev] or _tensor(act_node) is None or \
@@ -742,13 +787,7 @@ def _activation_why_not(kernel, ch: dict) -> str | None:
 def _linear_act_users(users, lin) -> list | None:
     """By dataflow (single users): ``[lin, cast?, row views*, activation]`` after the
     ``sd.linear_i8`` node ``lin``, or None when no activation follows that way."""
-    chain, u = [lin], _one_user(users, lin)
-    if u is not None and _is_cast_of(u, lin):
-        chain.append(u)
-        u = _one_user(users, u)
-    while u is not None and _is_row_view(u, chain[-1]):
-        chain.append(u)
-        u = _one_user(users, u)
+    chain, u = _head_users(users, lin)
     return chain + [u] if u is not None and _pre_act_of(u) is not None else None
 
 
@@ -863,6 +902,101 @@ def _cast_why_not_chain(ch, kernel, dev) -> str | None:
     return _prefixed(kernel, _kernel_why_not(ch, kernel, dev))
 
 
+# -- int8_linear_glu_quantize
+
+def _is_halves(sp, prev) -> bool:
+    """``sp`` splits ``prev`` into two equal halves of its last dim (``chunk(2, -1)``)."""
+    pm = _tensor(prev)
+    if pm is None or not pm.shape or sp.srcs != [prev] or not isinstance(sp.meta, tuple) or \
+            len(sp.meta) != 2:
+        return False
+    n2 = int(pm.shape[-1])
+    if sp.op == "aten.split.Tensor":
+        ok = sp.params.get("split_size") == n2 // 2
+    elif sp.op == "aten.split_with_sizes.default":
+        ok = list(sp.params.get("split_sizes", ())) == [n2 // 2, n2 // 2]
+    else:
+        return False
+    return ok and n2 % 2 == 0 and sp.params.get("dim", 0) in (-1, len(pm.shape) - 1)
+
+
+def _glu_at(nodes, i):
+    """``(linear, cast or None, the activation, the mul, act, gate, index after the mul)`` for
+    ``sd.linear_i8 -> [_to_copy bf16|fp16] -> row views* -> split(N/2, -1) -> getitem x2 ->
+    act(half gate) -> mul(other half, act)`` starting at ``nodes[i]``, or None."""
+    head = _linear_head(nodes, i)
+    if head is None:
+        return None
+    lin, cast, prev, k = head
+    if k + 4 >= len(nodes) or not _is_halves(nodes[k], prev):
+        return None
+    sp, i0, i1, a, mul = nodes[k:k + 5]
+    items = (i0, i1)
+    if any(t.op != "getitem" or t.srcs != [sp] for t in items) or \
+            {t.params.get("index") for t in items} != {0, 1}:
+        return None
+    act = _pre_act_of(a)
+    if act is None or len(a.srcs) != 1 or a.srcs[0] not in items or \
+            (a.op == "aten.gelu.default" and set(a.params) - {"approximate"}):
+        return None
+    other = i1 if a.srcs[0] is i0 else i0
+    if mul.op != "aten.mul.Tensor" or mul.params or len(mul.srcs) != 2 or \
+            set(mul.srcs) != {a, other}:
+        return None
+    return lin, cast, a, mul, act, int(a.srcs[0].params["index"]), k + 5
+
+
+def _gluq_find(nodes, i):
+    """``sd.linear_i8 -> [_to_copy bf16|fp16] -> views* -> split(N/2, -1) -> getitem x2 ->
+    gelu|gelu_tanh|silu|sigmoid(half gate) -> mul(other half, act) -> [clone] -> views* ->
+    quantize``; args ``act``, ``gate`` (0: the first half is activated, 1: the second),
+    ``group`` (the quantize step's)."""
+    found = _glu_at(nodes, i)
+    if found is None:
+        return None
+    lin, cast, act_node, mul, act, gate, k = found
+    tail = _quantize_tail(nodes, k, mul)
+    if tail is None:
+        return None
+    value, quant, end = tail
+    return dict(_linear_chain(lin, cast, nodes[i:end], act=act, gate=gate,
+                              group=quant.params.get("group")),
+                value=value, act_node=act_node, quant=quant)
+
+
+def _gluq_why_not(ch, kernel, dev) -> str | None:
+    lin, dt = ch["linear"].meta, ch["dtype"]
+    for label, node in (("the activation", ch["act_node"]), ("the product", ch["value"])):
+        v = _tensor(node)
+        if v is None or v.dtype != dt or v.is_symbolic:
+            return f"{label} is not a concrete {dt} tensor"
+        if 2 * v.numel != lin.numel or 2 * v.shape[-1] != lin.shape[-1]:
+            return f"{label}'s rows are not halves of the linear's"
+    return _no_dtype_kernel(kernel, dt) or _prefixed(
+        kernel, _quantize_why_not(ch["quant"], ch["value"].meta) or
+        _kernel_why_not(ch, kernel, dev))
+
+
+def _gluq_gather(users, lin) -> list | None:
+    """By dataflow (single users): ``[lin, cast?, row views*, split, getitem x2, act, mul,
+    clone?]``, or None."""
+    chain, u = _head_users(users, lin)
+    if u is None or not _is_halves(u, chain[-1]):
+        return None
+    items = users.get(u, [])
+    acts = [n for it in items for n in users.get(it, []) if _pre_act_of(n) is not None]
+    if len(items) != 2 or len(acts) != 1:
+        return None
+    mul = _one_user(users, acts[0])
+    if mul is None:
+        return None
+    chain += [u, *items, acts[0], mul]
+    c = _one_user(users, mul)
+    if c is not None and _is_clone_of(c, mul):
+        chain.append(c)
+    return chain
+
+
 #: The epilogues of ``sd.linear_i8.v1``, one row per fusion rule (a new fused epilogue: a row
 #: here and a :class:`FusedKernel` in each device's ``KERNELS``).  Meaning and numerics: the
 #: module docstring; per element the accumulator row goes through linear_i8's epilogue
@@ -888,6 +1022,17 @@ EPILOGUES = (
     # kernel's rotation and codes; bit for bit sd.linear_i8.v1 followed by fused.act_quantize.
     # Kernel args: act, group (the quantize step's), dtype.
     Epilogue("int8_linear_act_quantize", 6, _lactq_find, _lactq_why_not, gather=_lactq_gather,
+             to_quantize=True),
+    # sd.linear_i8 -> [_to_copy bf16|fp16] -> views* -> split(N/2, -1) -> getitem x2
+    #   -> act(half gate) -> mul(other half, act) -> [clone] -> views* -> quantize
+    #   =>  fused.int8_linear_glu_quantize
+    # A GEGLU / packed SwiGLU between two quantized linears (UNet2DConditionModel's
+    # ff.net[0].proj -> chunk -> hidden * gelu(gate) -> ff.net[2]): per row the epilogue of
+    # all N columns, then v = round_T(round_T(act(y[gate half])) * y[other half]), then the
+    # quantize kernel's rotation and codes over N/2 features; bit for bit sd.linear_i8.v1
+    # followed by fused.act_quantize (with the other half as its multiplier).  Kernel args:
+    # act, gate (0 or 1), group (the quantize step's), dtype.
+    Epilogue("int8_linear_glu_quantize", 6, _gluq_find, _gluq_why_not, gather=_gluq_gather,
              to_quantize=True),
     # sd.linear_i8 -> [_to_copy bf16|fp16] -> views* -> gelu|gelu_tanh|silu|sigmoid
     #   =>  fused.int8_linear_act

@@ -26,6 +26,9 @@ Steps (``kind``):
 - ``lactq``: ``int8_linear_act_quantize`` (``torch._int_mm``, then one pass: epilogue, GELU,
   quantize) against the two fused steps it replaces (``sd.linear_i8.v1`` then
   ``fused.act_quantize``: ``unfused`` here) and float32 eager ``gelu(F.linear(x, w, b))``;
+- ``gluq``: ``int8_linear_glu_quantize`` (``torch._int_mm``, then one pass over both halves:
+  epilogue, ``hidden * gelu(gate)``, quantize) against ``sd.linear_i8.v1`` then
+  ``fused.act_quantize`` and float32 eager ``hidden * gelu(gate)`` of ``F.linear(x, w, b)``;
 - ``modq``: ``modulation_quantize`` (LayerNorm, ``* (1 + scale) + shift``, ConvRot quantize);
 - ``rmsq``: ``rms_norm_quantize`` (RMSNorm with a weight, quantize);
 - ``actq``: ``act_quantize`` (GELU(tanh) of the FF hidden, or SiLU(gate) * up, quantize);
@@ -34,7 +37,7 @@ Steps (``kind``):
 GB/s: the minimum traffic of the step over its time (every implementation divided by the same
 bytes): float32 inputs read once and the packed int8 output written once (quantize steps), or
 the int32 accumulator and the residual read and the output written (gated residual; for
-``lactq``, the accumulator read and the packed output written).  Ratios:
+``lactq`` and ``gluq``, the accumulator read and the packed output written).  Ratios:
 unfused / fused and eager / fused (>1: the fused step is faster).  Outputs are checked: fused
 equals the unfused kernels bit for bit (``act_quantize``: against the project's activation
 kernel followed by the quantize kernel; torch's native activation differs by a few ulp).
@@ -69,6 +72,7 @@ CONFIGS = {
     "sd3_ff_down": ("gr", 6144, 1536, "plain", "SD3-medium FF down + gate + residual"),
     "flux_ff_up": ("lactq", 3072, 12288, "gelu_tanh", "Flux.1 FF up -> GELU(tanh) -> quantize"),
     "sd3_ff_up": ("lactq", 1536, 6144, "gelu_tanh", "SD3-medium FF up -> GELU(tanh) -> quantize"),
+    "sdxl_geglu": ("gluq", 1280, 10240, "gelu", "SDXL (1280 wide) FF GEGLU proj -> quantize"),
     "flux_modq": ("modq", 3072, None, "layer", "Flux.1 norm1 (adaLN) -> Q/K/V quantize"),
     "sd3_modq": ("modq", 1536, None, "layer", "SD3-medium norm1 (adaLN) -> Q/K/V quantize"),
     "flux_rmsq": ("rmsq", 3072, None, "weight", "RMSNorm(3072) with weight -> quantize"),
@@ -200,6 +204,39 @@ def _lactq_setup(cfg, args, g) -> dict:
                       lambda: bool(torch.equal(fused(), unfused())), (m, k, n))}
 
 
+def _gluq_setup(cfg, args, g) -> dict:
+    """linear_i8 -> split -> hidden * gelu(gate) -> quantize (diffusers' GEGLU): one step vs
+    the two fused steps it replaces."""
+    from fxbackend.cpu_kernels import int8 as i8
+    from fxbackend.cpu_kernels import int8_fusions as f
+    from fxbackend.patterns.int8 import run_linear
+    _, k, n, act, _ = cfg
+    m, x, w, b, wq, ws, qx, xs = _linear_operands(k, n, args, g)
+    acc = torch.empty(m, n, dtype=torch.int32)
+    y = torch.empty(m, n)
+    q_f, q_u = _packed(m, n // 2), _packed(m, n // 2)
+    i8.compile_kernels(None, torch.float32)
+    f.compile_kernels("gluq", torch.float32)
+    f.compile_kernels("pre", torch.float32)
+
+    def fused():  # the plan's step: the accumulator in workspace, then one pass
+        torch._int_mm(qx, wq.t(), out=acc)
+        f._gluq_launch(acc, xs, ws, b, q_f, act, 1, args.group)
+        return q_f
+
+    def unfused():  # sd.linear_i8.v1 (int8 x), then fused.act_quantize(gate, hidden)
+        run_linear(i8.DEVICE, "int8", args.group, m, k, n, qx, xs, wq, ws, b, y, None)
+        hidden, gate = y.chunk(2, -1)
+        return f.act_quantize_cpu(gate, hidden, q_u, act=act, group=args.group)
+
+    def eager():
+        hidden, gate = F.linear(x, w, b).chunk(2, -1)
+        return hidden * F.gelu(gate)
+
+    return {"gluq": ({"kernel": fused, "unfused": unfused, "eager": eager}, (acc, q_f),
+                     lambda: bool(torch.equal(fused(), unfused())), (m, k, n))}
+
+
 def _quantize_setup(cfg, args, g) -> dict:
     """A quantize-feeding fusion: fused kernel, the unfused plan's steps (the norm kernel or
     the native activation / scalar op, then the quantize kernel), the float eager chain."""
@@ -283,7 +320,8 @@ def bench(args) -> list:
     for name in args.configs:
         cfg = CONFIGS[name]
         g = torch.Generator().manual_seed(0)
-        setup = {"gr": _gr_setup, "lactq": _lactq_setup}.get(cfg[0], _quantize_setup)
+        setup = {"gr": _gr_setup, "lactq": _lactq_setup, "gluq": _gluq_setup}.get(
+            cfg[0], _quantize_setup)
         steps = setup(cfg, args, g)
         for step, (impls, tensors, check, shape) in steps.items():
             res = {"config": name, "step": step, "model": cfg[4], "shape": shape,
@@ -307,7 +345,8 @@ def print_table(report, results) -> None:
     for r in results:
         med, gb = r["median_ms"], r["gbps"]
         m, k, n = r["shape"]
-        shape = f"{m}x{k}" + (f"x{n}" if r["step"] in ("gr_epilogue", "gr_step", "lactq")
+        shape = f"{m}x{k}" + (f"x{n}" if r["step"] in ("gr_epilogue", "gr_step", "lactq",
+                                                       "gluq")
                               else f" g{n}")
         eager = f"{med['eager']:7.2f} ({gb['eager']:5.1f})"
         ef = f"{r['eager_over_fused']:7.2f}x"

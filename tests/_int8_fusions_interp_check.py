@@ -16,6 +16,9 @@ stdin: a JSON list of cases, each with ``"id"`` and ``"kind"``:
 - ``{"kind": "lactq", "m", "k", "n", "group", "out_group", "act", "bias", "block"}``:
   ``int8_linear_act_quantize_triton`` bit-equal to the unfused Triton pair
   (``linear_i8_triton`` then ``act_quantize_triton``);
+- ``{"kind": "gluq", "m", "k", "n", "group", "out_group", "act", "gate", "bias", "block"}``:
+  ``int8_linear_glu_quantize_triton`` bit-equal to the unfused Triton pair (``linear_i8_triton``
+  then ``act_quantize_triton`` of the activated half with the other half as its multiplier);
 - ``{"kind": "lcast", "m", "k", "n", "group", "dtype", "bias"}``: the CUDA ``int8_linear_cast``
   kernel's step (the GEMM, then the epilogue storing bfloat16/float16) bit-equal to the float32
   epilogue cast by torch;
@@ -122,12 +125,10 @@ def run_gr(case: dict) -> dict:
     return {}
 
 
-def run_lactq(case: dict) -> dict:
-    import torch
-    from fxbackend.cuda_kernels.int8 import linear_i8_triton
-    from fxbackend.cuda_kernels.int8_fusions import act_quantize_triton, \
-        int8_linear_act_quantize_triton
-    from fxbackend.patterns.int8 import int_dot, quantize_i8_convrot_reference, \
+def _int8_linear(case: dict, torch) -> tuple:
+    """``(qx, x_scale, w, w_scale, bias)`` of an int8 linear for the case's ``m``, ``k``,
+    ``n``, ``group`` and ``bias``: rotated rows with an outlier channel, a per-channel weight."""
+    from fxbackend.patterns.int8 import quantize_i8_convrot_reference, \
         quantize_weight_i8_reference, unpack
 
     g = _gen(case, torch)
@@ -136,6 +137,18 @@ def run_lactq(case: dict) -> dict:
                     m, k)
     wq, ws = quantize_weight_i8_reference(torch.randn(n, k, generator=g) * 0.1, group)
     bias = torch.randn(n, generator=g) if case["bias"] else None
+    return qx, xs, wq, ws, bias
+
+
+def run_lactq(case: dict) -> dict:
+    import torch
+    from fxbackend.cuda_kernels.int8 import linear_i8_triton
+    from fxbackend.cuda_kernels.int8_fusions import act_quantize_triton, \
+        int8_linear_act_quantize_triton
+    from fxbackend.patterns.int8 import int_dot
+
+    qx, xs, wq, ws, bias = _int8_linear(case, torch)
+    group = case["group"]
     act, og = case["act"], case["out_group"]
     got = int8_linear_act_quantize_triton(qx, xs, wq, ws, bias, act=act, group=og,
                                           block=case["block"])
@@ -145,6 +158,28 @@ def run_lactq(case: dict) -> dict:
     out = torch.empty_like(got)
     _rule_run("int8_linear_act_quantize", got, int_dot(qx, wq), xs, ws, bias, out,
               out=out, act=act, group=og, dtype=torch.float32)
+    return {}
+
+
+def run_gluq(case: dict) -> dict:
+    import torch
+    from fxbackend.cuda_kernels.int8 import linear_i8_triton
+    from fxbackend.cuda_kernels.int8_fusions import act_quantize_triton, \
+        int8_linear_glu_quantize_triton
+    from fxbackend.patterns.int8 import int_dot
+
+    qx, xs, wq, ws, bias = _int8_linear(case, torch)
+    group = case["group"]
+    act, gate, og = case["act"], case["gate"], case["out_group"]
+    got = int8_linear_glu_quantize_triton(qx, xs, wq, ws, bias, act=act, gate=gate, group=og,
+                                          block=case["block"])
+    halves = linear_i8_triton(qx, wq, ws, xs, bias, x_kind="int8", group=group).chunk(2, -1)
+    want = act_quantize_triton(halves[gate], halves[1 - gate], act=act, group=og,
+                               block=case["block"])
+    assert torch.equal(got, want), _diff(got, want)
+    out = torch.empty_like(got)
+    _rule_run("int8_linear_glu_quantize", got, int_dot(qx, wq), xs, ws, bias, out,
+              out=out, act=act, gate=gate, group=og, dtype=torch.float32)
     return {}
 
 
@@ -267,7 +302,7 @@ def run_preq(case: dict) -> dict:
 
 
 def main() -> int:
-    runners = {"gr": run_gr, "lactq": run_lactq, "lcast": run_lcast, "modq": run_modq,
+    runners = {"gr": run_gr, "lactq": run_lactq, "gluq": run_gluq, "lcast": run_lcast, "modq": run_modq,
                "rmsq": run_rmsq, "preq": run_preq}
     return serve(lambda case: runners[case["kind"]](case), {}, setup=patch_bf16_rounding)
 

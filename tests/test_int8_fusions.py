@@ -48,6 +48,7 @@ from fxbackend.patterns.int8_fusions import (EPILOGUES, ModulationQuantizeFusion
                                              ReferenceQuantizeImpl,
                                              act_quantize_reference,
                                              int8_gated_residual_reference,
+                                             int8_linear_glu_quantize_reference,
                                              modulation_quantize_reference, prologue_reference)
 
 from _rope_interp_check import check_result, run_checker
@@ -55,10 +56,12 @@ from ext_util import rule_on_top
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 OPTS = {"quantize": "w8a8", "convrot_group": 16, "quantize_min_size": 0}
-MINE = ("int8_gated_residual", "int8_linear_act_quantize", "modulation_quantize",
-        "rms_norm_quantize", "act_quantize", "scale_quantize", "int8_linear_act")
+MINE = ("int8_gated_residual", "int8_linear_act_quantize", "int8_linear_glu_quantize",
+        "modulation_quantize", "rms_norm_quantize", "act_quantize", "scale_quantize",
+        "int8_linear_act")
 #: the rules whose result differs from the native chain by the activation's float32 ulps
-ACT_RULES = ("act_quantize", "int8_linear_act_quantize", "int8_linear_act")
+ACT_RULES = ("act_quantize", "int8_linear_act_quantize", "int8_linear_glu_quantize",
+             "int8_linear_act")
 SCALES = [(None, None), ("mul", 0.37), ("div", 3.0)]
 
 
@@ -157,6 +160,47 @@ def test_cpu_linear_act_quantize_is_the_two_steps(act, m, k, n, group, out_group
     want = int8_linear_act_quantize_reference(qx, wq, ws, xs, b, act=act, x_kind="int8",
                                               w_kind="int8", group=group, out_group=out_group)
     _codes_within_one(got, want, m, n)
+
+
+@pytest.mark.parametrize("act", ["gelu_tanh", "gelu", "silu", "sigmoid"])
+@pytest.mark.parametrize("gate", [0, 1])
+@pytest.mark.parametrize("m,k,n,group,out_group,bias,dtype", [
+    (5, 32, 64, 16, 16, True, F32), (3, 16, 96, 4, 16, False, F32),
+    (6, 64, 512, 64, 256, True, F32), (4, 32, 64, 16, 4, True, BF16)])
+def test_cpu_linear_glu_quantize_is_the_two_steps(act, gate, m, k, n, group, out_group, bias,
+                                                  dtype):
+    g = _gen(12)
+    qx, xs = unpack(quantize_i8_convrot_reference(_acts((m, k), g), group), m, k)
+    wq, ws = quantize_weight_i8_reference(torch.randn(n, k, generator=g) * 0.1, group)
+    b = torch.randn(n, generator=g) if bias else None
+    got = cpu_f.int8_linear_glu_quantize_cpu(qx, xs, wq, ws, b, act=act, gate=gate,
+                                             group=out_group, dtype=dtype)
+    halves = cpu_i8.linear_i8_cpu(qx, wq, ws, xs, b, x_kind="int8", group=group).to(dtype) \
+        .chunk(2, -1)
+    # the linear, then act_quantize of the activated half times the other: bit for bit
+    assert torch.equal(got, cpu_f.act_quantize_cpu(halves[gate], halves[1 - gate], act=act,
+                                                   group=out_group))
+    if dtype == F32:
+        want = int8_linear_glu_quantize_reference(qx, wq, ws, xs, b, act=act, gate=gate,
+                                                  x_kind="int8", w_kind="int8", group=group,
+                                                  out_group=out_group)
+        _codes_within_one(got, want, m, n // 2)
+
+
+def test_cpu_linear_glu_quantize_rejects_what_it_does_not_take():
+    g = _gen(13)
+    qx = torch.randint(-127, 128, (3, 16), dtype=torch.int8, generator=g)
+    xs = torch.rand(3, generator=g) + 0.1
+    wq, ws = quantize_weight_i8_reference(torch.randn(32, 16, generator=g), 4)
+    call = cpu_f.int8_linear_glu_quantize_cpu
+    for kw, match in [(dict(act="silu", gate=2), "gate 2"), (dict(act="relu", gate=0), "relu"),
+                      (dict(act="silu", gate=0, group=64), "group=64"),
+                      (dict(act="silu", gate=0, dtype=torch.float64), "dtype")]:
+        with pytest.raises(ValueError, match=match):
+            call(qx, xs, wq, ws, **kw)
+    with pytest.raises(ValueError, match="gate must be 0 or 1"):
+        int8_linear_glu_quantize_reference(qx, wq, ws, xs, act="silu", gate=3, x_kind="int8",
+                                           w_kind="int8")
 
 
 def _groups(k):
@@ -342,6 +386,13 @@ def _triton_cases() -> list:
             ("gelu", (6, 64, 256), 64, 256, True, None)]:
         cases.append(dict(id=f"lactq-{act}-{n}-{block}", kind="lactq", m=m, k=k, n=n,
                           group=group, out_group=out_group, act=act, bias=bias, block=block))
+    for act, gate, (m, k, n), group, out_group, bias, block in [
+            ("gelu", 1, (5, 32, 128), 16, 64, True, None),  # GEGLU
+            ("silu", 0, (3, 16, 96), 4, 16, False, 16),  # packed SwiGLU, two passes
+            ("sigmoid", 1, (6, 64, 64), 64, 4, True, None)]:
+        cases.append(dict(id=f"gluq-{act}-{gate}-{n}-{block}", kind="gluq", m=m, k=k, n=n,
+                          group=group, out_group=out_group, act=act, gate=gate, bias=bias,
+                          block=block))
     for dt, (m, k, n), group, bias in [("bfloat16", (5, 32, 48), 16, True),
                                        ("float16", (17, 64, 40), 64, False)]:
         cases.append(dict(id=f"lcast-{dt}-{m}", kind="lcast", m=m, k=k, n=n, group=group,
@@ -431,6 +482,11 @@ def test_triton_kernels_compile_for_sm90_without_a_gpu():
                        ["n_rows", "N"], ["inv"],
                        {"ACT": 1, "HAS_BIAS": True, "NST": 4, "BLOCK": 4096,
                         "ONE_PASS": False}, 8)
+    assert ck.asm.get("cubin") and "fma" not in ck.asm["ptx"]
+    ck = _compile_sm90(cuda_f._gluq(), (torch.int32, F32, F32, F32, torch.int8, F32),
+                       ["n_rows", "N", "H", "g0"], ["inv"],
+                       {"ACT": 1, "HAS_BIAS": True, "NST": 4, "BLOCK": 1024,
+                        "ONE_PASS": True}, 4)
     assert ck.asm.get("cubin") and "fma" not in ck.asm["ptx"]
     ck = _compile_sm90(cuda_f._preq(), (BF16, BF16, torch.int8, F32),
                        ["n_rows", "K", "size1", "size2", "size3"] + _lead_ints("x", "o") +
@@ -683,7 +739,12 @@ def test_glu_and_scale_fire_and_stay_close(act):
     mod = _Glu(act=act)
     x = _acts((2, 5, 32), _gen(6))
     out, fires = _compiled(mod, (x,))
-    assert fires == {"act_quantize": 1, "scale_quantize": 1}
+    assert fires == {"int8_linear_glu_quantize": 1, "scale_quantize": 1}
+    with _without("int8_linear_glu_quantize"):
+        two_step, fires_two = _compiled(mod, (x,))
+    # linear_i8 -> GLU -> quantize in one step = the linear, then act_quantize, bit for bit
+    assert fires_two == {"act_quantize": 1, "scale_quantize": 1}
+    assert torch.equal(out, two_step)
     with _without(*ACT_RULES):
         no_act, _ = _compiled(mod, (x,))
     unfused, _ = _compiled(mod, (x,), {**OPTS, "fusion": False})
@@ -907,6 +968,34 @@ def test_int8_linear_cast_declines_a_cast_with_other_options():
                                               "meta": None})())
     ch["linear"] = type("N", (), {"meta": TensorMeta((4, 8), (8, 1), torch.float32, torch.device("cpu"))})()
     assert "memory_format" in spec.why_not(ch, cpu_f.KERNELS["int8_linear_cast"], cpu_i8.DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_geglu_fuses_linear_cast_glu_quantize_bit_for_bit(dtype):
+    mod = _Glu(act="gelu").to(dtype)
+    x = _acts((2, 5, 32), _gen(8), dtype)
+    fused, fires = _compiled(mod, (x,))
+    assert fires.get("int8_linear_glu_quantize") == 1 and fused.dtype == dtype
+    with _without("int8_linear_glu_quantize"):
+        steps, fires_steps = _compiled(mod, (x,))
+    assert "int8_linear_glu_quantize" not in fires_steps and fires_steps.get("act_quantize") == 1
+    assert torch.equal(fused, steps)
+
+
+def test_glu_read_elsewhere_is_left_to_act_quantize():
+    class M(_Glu):
+        def forward(self, x):
+            y = self.up(x)
+            a, b = y.chunk(2, dim=-1)
+            return self.down(b * F.gelu(a)), y
+
+    mod = M()
+    x = _acts((2, 5, 32), _gen(9))
+    (out, y), fires = _compiled(mod, (x,))
+    assert "int8_linear_glu_quantize" not in fires and fires.get("act_quantize") == 1
+    with torch.no_grad():
+        want_out, want_y = mod(x)
+    assert _cos(out, want_out) > 0.999 and _cos(y, want_y) > 0.9999
 
 
 class _Ff16(nn.Module):
