@@ -28,7 +28,7 @@ demo: $(STAMP)
 ISA_TESTS := tests/test_cpu_profile.py tests/test_upcast.py tests/test_quantize.py tests/test_gemm.py \
 	tests/test_channels_last.py tests/test_int8.py
 AVX2_LIMITS := FXB_TEST_CPU_PROFILE=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
-	NUMBA_CPU_NAME=haswell
+	NUMBA_CPU_NAME=haswell MKL_ENABLE_INSTRUCTIONS=AVX2
 
 test: $(STAMP)
 	$(VPY) -m pytest -q -x -p no:cacheprovider -n $(TEST_WORKERS) --maxprocesses 4 \

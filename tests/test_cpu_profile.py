@@ -245,6 +245,13 @@ def test_probes_are_measured_once_and_cached_on_disk(tmp_path, monkeypatch):
     other = cpu.CpuProfile("AVX2", frozenset(), 4, "test CPU", "detected")  # threads: new key
     cpu.run_probes(other)
     assert calls == [1, 1]
+    for var in cpu._LIMITS:  # another vector limit: measured again, under its own key
+        monkeypatch.setattr(cpu, "_probed", {})
+        with monkeypatch.context() as m:  # (only the key reads it: _measure is a stand-in)
+            m.setenv(var, os.environ.get(var, "") + "-other")
+            cpu.run_probes(p)
+        assert len(calls) == 2 + 1 + cpu._LIMITS.index(var)
+    assert "MKL_ENABLE_INSTRUCTIONS" in cpu._LIMITS
 
 
 @pytest.mark.parametrize("loads", [(1.5, 0.2), (0.2, 1.0), (3.0, 3.0)])
