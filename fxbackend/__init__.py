@@ -25,6 +25,7 @@ from .exporter import export, from_compiled, record_graphs
 from .services import warm_up
 from .precompile import precompile
 from .stats import reset_stats, stats
+from .weights import freeze_weights
 
 __all__ = ["fxbackend_backend", "compile_fx_graph", "explain", "CompiledGraph", "Plan",
            "ExecContext", "Graph", "Node", "TensorMeta", "ScalarMeta", "contiguous_strides",
@@ -35,7 +36,7 @@ __all__ = ["fxbackend_backend", "compile_fx_graph", "explain", "CompiledGraph", 
            "register_rewrite", "unregister_rewrite", "rewrites", "replace_uses", "load_extensions",
            "services", "stats", "reset_stats", "backend", "warm_up", "precompile", "export", "save",
            "load", "from_compiled", "record_graphs", "ExportedPlan", "ReplayError",
-           "cpu_profile", "CpuProfile"]
+           "cpu_profile", "CpuProfile", "freeze_weights"]
 
 #: the Dynamo backend callable (also registered by name through the entry point)
 backend = fxbackend_backend

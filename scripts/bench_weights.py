@@ -9,6 +9,9 @@ Two measurements, one model config each (``fxbackend.models``):
   then times ``--repeat`` calls while summing the seconds spent in ``weights.weight_key``;
   it prints the median call, the check's seconds per call, their ratio and the bytes
   fingerprinted per call.
+* ``--freeze``: the per-call price of the check as a whole: the model against a copy whose
+  weights ``fxbackend.freeze_weights`` marked (keys by version counter, no fingerprint),
+  compiled alike and called in ``--repeat`` interleaved rounds; the paired ratio.
 * ``--memory``: resident memory of one backend after compiling and running the model at
   ``--resolutions`` (one child process per backend: eager, inductor, fxbackend), as the growth of
   the process's RSS over the built model, and for fxbackend the bytes the shared cells hold
@@ -18,6 +21,7 @@ Run (from the repository root)::
 
     .venv/bin/python scripts/bench_weights.py --check --family unet --dtype bfloat16
     .venv/bin/python scripts/bench_weights.py --check --family flux --options quantize=w8a8
+    .venv/bin/python scripts/bench_weights.py --freeze --family unet --dtype bfloat16 --repeat 20
     .venv/bin/python scripts/bench_weights.py --memory --family unet --dtype bfloat16
 """
 from __future__ import annotations
@@ -101,6 +105,40 @@ def check(args) -> None:
                       "bytes_per_call": spent[2] // args.repeat}))
 
 
+def freeze_ab(args) -> None:
+    """The model checked by fingerprint (the default) against a copy whose weights
+    ``fxbackend.freeze_weights`` marked, each compiled once, called in ``--repeat`` interleaved
+    rounds: medians and the paired ratio (checked over frozen: >1, frozen is faster)."""
+    import copy
+
+    import fxbackend
+    from benchstats import describe, verdict
+    from fxbackend import models
+    dtype = getattr(torch, args.dtype)
+    checked = models.build_model(args.family, args.size, dtype=dtype)
+    frozen = copy.deepcopy(checked)
+    fxbackend.freeze_weights(frozen)
+    inputs = models.make_inputs(args.family, args.size, dtype=dtype)
+    fns, outs = {}, {}
+    with torch.no_grad():
+        for name, model in (("checked", checked), ("frozen", frozen)):
+            torch._dynamo.reset()
+            fns[name] = torch.compile(model, backend="fxbackend", options=_options(args.options))
+            outs[name] = fns[name](**inputs)[0]
+            fns[name](**inputs)
+        times = {k: [] for k in fns}
+        for _ in range(args.repeat):
+            for k, f in fns.items():
+                t0 = time.perf_counter()
+                f(**inputs)
+                times[k].append((time.perf_counter() - t0) * 1e3)
+    print(json.dumps({"model": f"{args.family}/{args.size}", "dtype": args.dtype,
+                      "options": args.options, "rounds": args.repeat,
+                      "median_ms": {k: round(statistics.median(v), 2) for k, v in times.items()},
+                      "checked_over_frozen": describe(verdict(times, "checked", "frozen")),
+                      "same_output": bool(torch.equal(outs["checked"], outs["frozen"]))}))
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -154,6 +192,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--memory", action="store_true")
+    ap.add_argument("--freeze", action="store_true",
+                    help="time the model against a copy under fxbackend.freeze_weights")
     ap.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--backend", default="fxbackend", help=argparse.SUPPRESS)
     ap.add_argument("--backends", default="eager,inductor,fxbackend")
@@ -170,6 +210,8 @@ def main() -> None:
     print(_profile_line(), flush=True)
     if args.check:
         check(args)
+    if args.freeze:
+        freeze_ab(args)
     if args.memory:
         memory(args)
 

@@ -272,3 +272,75 @@ def test_lora_adapters_set_fused_unfused_and_unloaded(which):
     assert torch.equal(unfused, _fresh(model, inputs, options)), f"{which}: unfused is stale"
     model.unload_lora()
     check("unloaded")
+
+
+#: the changes a frozen weight's check still sees (through the weight itself, or new storage
+#: or new Parameter objects), and those it does not (writes through a ``.data`` alias)
+SEEN_FROZEN = ("in_place", "new_storage", "load_state_dict", "load_state_dict_assign",
+               "reassign")
+UNSEEN_FROZEN = ("data", "ema")
+
+
+def _count_fingerprints(monkeypatch) -> list:
+    from fxbackend import weights
+    calls = []
+    fp = weights._FINGERPRINTS["cpu"]
+    monkeypatch.setitem(weights._FINGERPRINTS, "cpu", lambda t: calls.append(t) or fp(t))
+    return calls
+
+
+@pytest.mark.usefixtures("no_grad")
+@pytest.mark.parametrize("change", SEEN_FROZEN)
+@pytest.mark.parametrize("which", ["unet_bf16", "flux_w8a8"])
+def test_frozen_weights_skip_the_fingerprint_and_still_see_changes_through_themselves(
+        which, change, monkeypatch):
+    from fxbackend import models
+    family, dtype, options, tol = MODELS[which]
+    model = models.build_model(family, "tiny", dtype=dtype)
+    inputs = models.make_inputs(family, "tiny", dtype=dtype)
+    assert fxbackend.freeze_weights(model) == len([*model.parameters(), *model.buffers()])
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fxbackend", options=options)
+    compiled(**inputs)
+    calls = _count_fingerprints(monkeypatch)
+    before = compiled(**inputs)[0]
+    assert calls == [], "a frozen weight's check read its bytes"
+    CHANGES[change](model, torch.Generator().manual_seed(1))
+    after = compiled(**inputs)[0]
+    eager = model(**inputs)[0]
+    assert _rel(eager, before) > 10 * tol, "the change must move the output"
+    assert _rel(after, eager) <= tol, f"{which} after {change}: stale"
+    assert torch.equal(after, _fresh(model, inputs, options))
+
+
+@pytest.mark.usefixtures("no_grad")
+@pytest.mark.parametrize("change", UNSEEN_FROZEN)
+def test_frozen_weights_miss_writes_through_data_until_unfrozen(change, monkeypatch):
+    """The promise ``freeze_weights`` documents: a ``.data`` write goes unseen (the derived
+    values stay as they were), and taking the promise back makes the next call see it."""
+    from fxbackend import models
+    family, dtype, options, tol = MODELS["unet_bf16"]
+    model = models.build_model(family, "tiny", dtype=dtype)
+    inputs = models.make_inputs(family, "tiny", dtype=dtype)
+    fxbackend.freeze_weights(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fxbackend", options=options)
+    before = compiled(**inputs)[0]
+    CHANGES[change](model, torch.Generator().manual_seed(1))
+    eager = model(**inputs)[0]
+    assert _rel(eager, before) > 10 * tol, "the change must move the output"
+    assert _rel(compiled(**inputs)[0], eager) > 10 * tol  # the documented blind spot
+    assert fxbackend.freeze_weights(model, frozen=False) > 0
+    calls = _count_fingerprints(monkeypatch)
+    assert _rel(compiled(**inputs)[0], eager) <= tol and calls
+
+
+def test_freeze_weights_rejects_what_is_not_tensors():
+    with pytest.raises(TypeError, match="nn.Module, a tensor or an iterable of tensors, got int"):
+        fxbackend.freeze_weights(3)
+    with pytest.raises(TypeError, match="must be tensors, got str"):
+        fxbackend.freeze_weights([torch.zeros(2), "w"])
+    t = torch.zeros(3)
+    assert fxbackend.freeze_weights(t) == 1 and fxbackend.freeze_weights([t], frozen=False) == 1
+    from fxbackend import weights
+    assert weights.weight_key(t)[-1] == weights.fingerprint(t)  # unfrozen: the bytes again
