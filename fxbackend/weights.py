@@ -124,8 +124,8 @@ def weight_key(t: torch.Tensor) -> tuple:
 def freeze_weights(weights: Any, frozen: bool = True) -> int:
     """Promise that ``weights`` (an ``nn.Module``: its parameters and buffers; or a tensor or
     an iterable of tensors) are changed only through themselves, never through another tensor
-    that shares their storage; ``frozen=False`` takes the promise back.  Returns how many
-    tensors were marked (or unmarked).
+    that shares their storage; ``frozen=False`` takes the promise back.  Returns the number of
+    tensors given.
 
     A value derived from a marked weight (a channels-last or cast copy, W8A8's quantized
     weight) is then checked every call by the weight's address, layout and version counter
