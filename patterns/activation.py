@@ -35,7 +35,8 @@ import torch
 from fxbackend import TensorMeta
 
 __all__ = ["ACTS", "LinearActFusion", "LinearGluFusion", "ReferenceLinearAct", "act_reference",
-           "linear_act_reference", "gemm_into", "movable_bias", "register_gemm"]
+           "linear_act_reference", "gemm_into", "movable_bias", "register_gemm",
+           "is_split_in_halves"]
 
 #: activation names: gelu with the tanh approximation, gelu with erf, silu
 ACTS = ("gelu_tanh", "gelu", "silu")
@@ -264,6 +265,24 @@ class _LinearRule:
                       alpha=p["alpha"])
 
 
+def is_split_in_halves(sp, prev) -> bool:
+    """``sp`` splits ``prev`` into two equal halves of its last dim (``chunk(2, -1)``:
+    ``split`` or ``split_with_sizes``); the GLU rules' check (``linear_glu`` here,
+    ``int8_linear_glu_quantize`` in ``patterns/int8_fusions.py``)."""
+    pm = prev.meta if isinstance(prev.meta, TensorMeta) else None
+    if pm is None or not pm.shape or sp.srcs != [prev] or not isinstance(sp.meta, tuple) or \
+            len(sp.meta) != 2:
+        return False
+    n2 = int(pm.shape[-1])
+    if sp.op == "aten.split.Tensor":
+        ok = sp.params.get("split_size") == n2 // 2
+    elif sp.op == "aten.split_with_sizes.default":
+        ok = list(sp.params.get("split_sizes", ())) == [n2 // 2, n2 // 2]
+    else:
+        return False
+    return ok and n2 % 2 == 0 and sp.params.get("dim", 0) in (-1, len(pm.shape) - 1)
+
+
 class LinearActFusion(_LinearRule):
     """Fusion rule ``linear_act``: ``addmm|mm [-> _to_copy] [-> view]* -> gelu|gelu_tanh|silu
     [-> clone]``
@@ -309,17 +328,7 @@ class LinearGluFusion(_LinearRule):
         if k + 4 >= len(nodes):
             return 0
         sp, i0, i1, a, mul = nodes[k:k + 5]
-        n2 = int(g.meta.shape[-1])
-        rank = len(prev.meta.shape)
-        if sp.op == "aten.split.Tensor":
-            ok = sp.params.get("split_size") == n2 // 2
-        elif sp.op == "aten.split_with_sizes.default":
-            ok = list(sp.params.get("split_sizes", ())) == [n2 // 2, n2 // 2]
-        else:
-            return 0
-        dim = sp.params.get("dim", 0)
-        if not ok or n2 % 2 or sp.srcs != [prev] or dim not in (-1, rank - 1) or \
-                not isinstance(sp.meta, tuple) or len(sp.meta) != 2:
+        if not is_split_in_halves(sp, prev):  # prev's last dim is the GEMM's N (_head)
             return 0
         items = (i0, i1)
         if any(t.op != "getitem" or t.srcs != [sp] for t in items) or \

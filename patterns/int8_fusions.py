@@ -99,7 +99,7 @@ import torch
 import fxbackend
 from fxbackend import TensorMeta, contiguous_strides
 
-from .activation import _act_of, act_reference
+from .activation import _act_of, act_reference, is_split_in_halves
 from .gated_residual import (GatedResidualFusion, _broadcasts, _is_number, _is_scale, _other,
                              _overlaps, _tensor, exact_scale, gated_residual_reference)
 from .int8 import (REGULAR_HADAMARD_GROUPS, Int8Device, WeightState, check_linear,
@@ -904,22 +904,6 @@ def _cast_why_not_chain(ch, kernel, dev) -> str | None:
 
 # -- int8_linear_glu_quantize
 
-def _is_halves(sp, prev) -> bool:
-    """``sp`` splits ``prev`` into two equal halves of its last dim (``chunk(2, -1)``)."""
-    pm = _tensor(prev)
-    if pm is None or not pm.shape or sp.srcs != [prev] or not isinstance(sp.meta, tuple) or \
-            len(sp.meta) != 2:
-        return False
-    n2 = int(pm.shape[-1])
-    if sp.op == "aten.split.Tensor":
-        ok = sp.params.get("split_size") == n2 // 2
-    elif sp.op == "aten.split_with_sizes.default":
-        ok = list(sp.params.get("split_sizes", ())) == [n2 // 2, n2 // 2]
-    else:
-        return False
-    return ok and n2 % 2 == 0 and sp.params.get("dim", 0) in (-1, len(pm.shape) - 1)
-
-
 def _glu_at(nodes, i):
     """``(linear, cast or None, the activation, the mul, act, gate, index after the mul)`` for
     ``sd.linear_i8 -> [_to_copy bf16|fp16] -> row views* -> split(N/2, -1) -> getitem x2 ->
@@ -928,7 +912,7 @@ def _glu_at(nodes, i):
     if head is None:
         return None
     lin, cast, prev, k = head
-    if k + 4 >= len(nodes) or not _is_halves(nodes[k], prev):
+    if k + 4 >= len(nodes) or not is_split_in_halves(nodes[k], prev):
         return None
     sp, i0, i1, a, mul = nodes[k:k + 5]
     items = (i0, i1)
@@ -981,7 +965,7 @@ def _gluq_gather(users, lin) -> list | None:
     """By dataflow (single users): ``[lin, cast?, row views*, split, getitem x2, act, mul,
     clone?]``, or None."""
     chain, u = _head_users(users, lin)
-    if u is None or not _is_halves(u, chain[-1]):
+    if u is None or not is_split_in_halves(u, chain[-1]):
         return None
     items = users.get(u, [])
     acts = [n for it in items for n in users.get(it, []) if _pre_act_of(n) is not None]
