@@ -45,15 +45,15 @@ phases, each a whole pass over its data:
    engine the GEMM runs through torch's quantized linear instead: the weight is quantized
    with 7-bit codes (the engines' AVX2 kernels add two u8 x s8 products in saturating 16 bits;
    2 * 255 * 63 < 2^15) and prepacked once.  ``onednn_linear``: the activation codes shifted
-   to unsigned bytes with zero point 128, and oneDNN writes the float32 values of the int32
-   sums straight into the output's storage (``fxbackend.cpu.onednn_linear_gemm``): the
-   accumulator the kernels after the GEMM read is then float32 (``accumulator_dtype``; each
-   reads both).  ``quantized_linear`` (fbgemm): the codes go in as floats with scale 1 and
-   zero point 128 (exact) and the engine's float32 result is written back into the int32
-   accumulator (``fxbackend.cpu.quantized_linear_gemm``).  Either way the epilogue sees the
-   same values: float32 of the exact int32 sum.
-3. the epilogue, one parallel pass over rows, in place (each accumulator element read before
-   the float32 is written to the same address, by the same iteration)::
+   to unsigned bytes with zero point 128 (``fxbackend.cpu.onednn_linear_gemm``);
+   ``quantized_linear`` (fbgemm): the codes go in as floats with scale 1 and zero point 128
+   (exact; ``fxbackend.cpu.quantized_linear_gemm``).  Either engine returns a new float32
+   tensor holding the int32 sums' float32 values, the accumulator the kernels after the GEMM
+   then read (``accumulator_dtype``; each reads both int32 and float32): the epilogue sees the
+   same values as with ``torch._int_mm``, float32 of the exact int32 sum.
+3. the epilogue, one parallel pass over rows, in place where the accumulator is the output's
+   storage (each accumulator element read before the float32 is written to the same address,
+   by the same iteration)::
 
        out[m, n] = float32(acc[m, n]) * x_scale[m] * w_scale[n] + float32(bias[n])
 
@@ -467,10 +467,10 @@ _engines: dict = {}
 #: form (held while the weight is: a weight state replaces its tensors when the weight changes)
 _packed: dict = {}  # id(weight) -> (weakref to it, engine, packed); dropped with the weight
 _pack_lock = threading.Lock()
-#: the prepacked engines: ``(pack, gemm, accumulator dtype)``; oneDNN's writes the float32
-#: values of the int32 accumulator (``fxbackend.cpu.onednn_linear_gemm``)
-_PREPACKED = {"quantized_linear": (quantized_linear_pack, quantized_linear_gemm, torch.int32),
-              "onednn_linear": (onednn_linear_pack, onednn_linear_gemm, torch.float32)}
+#: the prepacked engines: ``(pack, gemm)``; each gemm returns a new float32 tensor holding the
+#: int32 sums' float32 values (``fxbackend.cpu.onednn_linear_gemm``)
+_PREPACKED = {"quantized_linear": (quantized_linear_pack, quantized_linear_gemm),
+              "onednn_linear": (onednn_linear_pack, onednn_linear_gemm)}
 
 
 def _engine() -> tuple[str, int]:
@@ -488,26 +488,22 @@ def _engine() -> tuple[str, int]:
 def accumulator_dtype(w_kind: str) -> torch.dtype:
     """The dtype of the accumulator :func:`_gemm` gives a linear with a weight of ``w_kind``
     under this process's profile: float32 (the int32 sums' float32 values) for a float weight
-    the plan prepacks for oneDNN, else int32.  The kernels after the GEMM read either; plans
+    the plan prepacks for a prepacked engine, else int32.  The kernels after the GEMM read either; plans
     compile the one they will get."""
     engine = _engine()[0]
-    return _PREPACKED[engine][2] if w_kind == "float" and engine in _PREPACKED else torch.int32
+    return torch.float32 if w_kind == "float" and engine in _PREPACKED else torch.int32
 
 
 def _gemm(qx: torch.Tensor, qw: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
-    """``qx @ qw.T`` into ``acc``'s storage (int32 ``[M, N]``), returned as the accumulator it
-    wrote: ``acc``, or ``acc`` viewed as float32 holding the int32 sums' float32 values
-    (oneDNN's engine).  Through the prepacked engine where this file quantized and packed
+    """``qx @ qw.T``, returned as the accumulator it wrote: ``acc`` (int32 ``[M, N]``), or a
+    prepacked engine's new float32 tensor holding the int32 sums' float32 values.  Through the prepacked engine where this file quantized and packed
     ``qw`` for it (only where the profile chose that engine: its codes then fit the engine's
     16-bit pair sums; a lookup, no profile read per call), else ``torch._int_mm`` where it is
     exact (``fxbackend.cpu.int_mm_exact``), else a float64 product (exact; an int8 weight the
     plan did not quantize on a CPU whose int8 kernels saturate)."""
     held = _packed.get(id(qw))
     if held is not None and held[0]() is qw:
-        _, gemm, dtype = _PREPACKED[held[1]]
-        dst = acc if dtype == torch.int32 else acc.view(dtype)
-        gemm(qx, held[2], dst)
-        return dst
+        return _PREPACKED[held[1]][1](qx, held[2])
     if int_mm_exact():
         torch._int_mm(qx, qw.t(), out=acc)
     else:  # saturating int8 kernels (no VNNI): the references' exact product, slowly

@@ -19,9 +19,9 @@ compile with ``reassoc``):
   ``_expf`` (sigmoid here: ``1 / (1 + exp(-x))`` with that ``_expf``).
 
 Maths.  ``int8_gated_residual``, per output row r (b, s) and feature n, after
-the GEMM wrote the accumulator (``torch._int_mm``'s int32, or the float32 values of the
-int32 sums from oneDNN's engine: ``cpu_kernels/int8.accumulator_dtype``; into the output's own
-storage when the output is contiguous, else into workspace)::
+the GEMM wrote the accumulator (``torch._int_mm``'s int32, into the output's own storage
+when the output is contiguous, else into workspace; or a prepacked engine's new tensor of the
+int32 sums' float32 values: ``cpu_kernels/int8.accumulator_dtype``)::
 
     y[n]   = (float32(acc[r, n]) * x_scale[r]) * w_scale[n] + float32(bias[n])   -> scratch row
     t      = y * float32(s) | y / float32(s) | y
