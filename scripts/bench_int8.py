@@ -395,8 +395,8 @@ ENGINE_IMPLS = ("float32", "int_mm", "onednn_linear", "quantized_linear")
 
 def bench_engines(args) -> list:
     """The ``engines`` section: the CPU's int8 GEMM paths (``fxbackend.cpu``: ``torch._int_mm``
-    and the prepacked engines, each call with its own passes: oneDNN's shift to unsigned bytes
-    and zeroed output, fbgemm's float codes and int32 copy) against float32 ``F.linear`` on
+    and the prepacked engines, each call with its own passes: oneDNN's shift to unsigned bytes,
+    fbgemm's float codes, and their new float32 result) against float32 ``F.linear`` on
     :data:`ENGINE_SHAPES`, 8-bit activation and 7-bit weight codes, in interleaved rounds;
     each path's result checked against the float64 product (``exact``).  The profile's
     ``int8_gemm`` decision is printed beside them."""
@@ -417,12 +417,9 @@ def bench_engines(args) -> list:
         for engine in ("onednn_linear", "quantized_linear"):
             if getattr(cpu, f"{engine}_available")():
                 packed = getattr(cpu, f"{engine}_pack")(qw)
-                dst = torch.empty(m, n, dtype=torch.int32 if engine == "quantized_linear"
-                                  else torch.float32)
                 gemm = getattr(cpu, f"{engine}_gemm")
-                impls[engine] = (lambda gemm=gemm, packed=packed, dst=dst:
-                                 gemm(qx, packed, dst))
-                outs[engine] = dst
+                impls[engine] = lambda gemm=gemm, packed=packed: gemm(qx, packed)
+                outs[engine] = gemm(qx, packed)  # a new float32 tensor per call
         times = {i: [] for i in impls}
         for f in impls.values():
             for _ in range(args.warmup):

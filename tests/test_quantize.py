@@ -177,8 +177,8 @@ def test_16_bit_model_quantizes_its_layers():
                                           ("flux", torch.bfloat16)])
 def test_the_prepacked_engines_give_the_same_model_outputs(family, dtype, monkeypatch):
     """Under the AVX2 class (no VNNI) W8A8's int8 GEMM runs through a prepacked engine:
-    oneDNN's, whose float32 accumulator the linear's epilogue and every fused kernel after it
-    read, or fbgemm's, written back as int32.  Same 7-bit codes, same float32 sums: the whole
+    oneDNN's or fbgemm's, whose float32 result the linear's epilogue and every fused kernel
+    after it read as the accumulator.  Same 7-bit codes, same float32 sums: the whole
     model's outputs are bit-identical, and close to eager's."""
     from fxbackend import cpu
     from fxbackend.cpu_kernels import int8 as cpu_int8
