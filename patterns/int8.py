@@ -652,8 +652,8 @@ class Int8Device:
     quantize_rows: Callable
     #: ``(qx, qw, acc) -> accumulator``: ``qx @ qw.T`` into the storage of the int32 ``acc``
     #: (``torch._int_mm`` on the device's current stream), returned as the tensor it wrote:
-    #: ``acc``, or acc's storage viewed as float32 holding the int32 sums' float32 values (the
-    #: CPU's oneDNN engine); the kernels after it take either
+    #: ``acc``, or a new float32 tensor holding the int32 sums' float32 values (the CPU's
+    #: prepacked engines); the kernels after it take either
     gemm: Callable
     #: ``(acc, out, xs, ws, bias)``: linear_i8's epilogue of the ``[M, N]`` accumulator (int32
     #: or float32, as ``gemm`` returned it) into out (M * N contiguous elements, float32,
