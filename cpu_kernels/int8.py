@@ -488,17 +488,18 @@ def _engine() -> tuple[str, int]:
 def accumulator_dtype(w_kind: str) -> torch.dtype:
     """The dtype of the accumulator :func:`_gemm` gives a linear with a weight of ``w_kind``
     under this process's profile: float32 (the int32 sums' float32 values) for a float weight
-    the plan prepacks for a prepacked engine, else int32.  The kernels after the GEMM read either; plans
-    compile the one they will get."""
+    the plan prepacks for a prepacked engine, else int32.  The kernels after the GEMM read
+    either; plans compile the one they will get."""
     engine = _engine()[0]
     return torch.float32 if w_kind == "float" and engine in _PREPACKED else torch.int32
 
 
 def _gemm(qx: torch.Tensor, qw: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
     """``qx @ qw.T``, returned as the accumulator it wrote: ``acc`` (int32 ``[M, N]``), or a
-    prepacked engine's new float32 tensor holding the int32 sums' float32 values.  Through the prepacked engine where this file quantized and packed
-    ``qw`` for it (only where the profile chose that engine: its codes then fit the engine's
-    16-bit pair sums; a lookup, no profile read per call), else ``torch._int_mm`` where it is
+    prepacked engine's new float32 tensor holding the int32 sums' float32 values.  Through the
+    prepacked engine where this file quantized and packed ``qw`` for it (only where the
+    profile chose that engine: its codes then fit the engine's 16-bit pair sums; a lookup, no
+    profile read per call), else ``torch._int_mm`` where it is
     exact (``fxbackend.cpu.int_mm_exact``), else a float64 product (exact; an int8 weight the
     plan did not quantize on a CPU whose int8 kernels saturate)."""
     held = _packed.get(id(qw))

@@ -21,10 +21,9 @@ Contract.
   two words swapped, or several changed, go unseen only if both sums happen to agree.  Its
   cost is one read of the weight per call (see docs/BENCHMARKS.md: "weight check");
   :func:`freeze_weights` lets a user who never writes a weight through an alias trade it for
-  the version counter.  A device
-  may register a faster implementation of the same function (:func:`register_fingerprint`;
-  ``cpu_kernels/fingerprint.py`` registers a parallel numba one for the CPU); the torch one
-  here serves every other device.
+  the version counter.  A device may register a faster implementation of the same function
+  (:func:`register_fingerprint`; ``cpu_kernels/fingerprint.py`` registers a parallel numba
+  one for the CPU); the torch one here serves every other device.
 
 Thread safety: cells are created under a lock; a cell's ``key``/``value`` pair is replaced
 as one tuple (:meth:`DerivedCell.set`), so a reader never sees a value with another's key.
