@@ -234,6 +234,7 @@ class StepWriter:
         self.by_id = {n.id: n for n in self.g.nodes}
         self.ns: dict[str, Any] = {"empty_strided": torch.empty_strided,
                                    "_wkey": weights.weight_key, "_wcell": _weight_cell,
+                                   "_wmark": weights.mark_derived,
                                    "_held": held}
         self.step_seconds = step_seconds
         self.wkeys: dict[Node, str] = {}  # weight -> the name of its key, computed once a call
@@ -391,7 +392,9 @@ class StepWriter:
 
     def _emit_cached(self, n: Node) -> None:
         """The model's value, computed again only when a weight it reads changed (planning's
-        ``_weight_derived``; ``fxbackend.weights``: checked by fingerprint every call)."""
+        ``_weight_derived``; ``fxbackend.weights``: checked by fingerprint every call), and
+        marked as derived (``weights.mark_derived``: a kernel keying a value of its own on it,
+        W8A8's quantized weight, checks it by serial number, not by fingerprint)."""
         a, kw = call_args(n, self.src_of, self.value_of)
         ws = self.st.cached[n]
         for w in ws:
@@ -406,6 +409,7 @@ class StepWriter:
             "if _p[0] != _k:",
             f"    _p = (_k, {self.const(n.target._op).src}({_args_src(a, kw)}))",
             "    _c.set(*_p)",
+            f"    _wmark(_p[1], ({''.join(self.expr[w].src + ', ' for w in ws)}))",
             f"v{n.id} = _p[1]"]
         self.cache_nodes[what] = n
         self.expr[n] = Code(f"v{n.id}")

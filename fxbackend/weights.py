@@ -25,19 +25,25 @@ Contract.
   (:func:`register_fingerprint`; ``cpu_kernels/fingerprint.py`` registers a parallel numba
   one for the CPU); the torch one here serves every other device.
 
+- A derived value that a second derivation reads as its weight (W8A8's quantized form of the
+  concatenated Q, K and V weights) is keyed by a serial number given when it was made
+  (:func:`mark_derived`, called by the plan's cached steps), not by a fingerprint: its own
+  weights are already checked, and a new computation makes a new tensor.
+
 Thread safety: cells are created under a lock; a cell's ``key``/``value`` pair is replaced
 as one tuple (:meth:`DerivedCell.set`), so a reader never sees a value with another's key.
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
 __all__ = ["fingerprint", "register_fingerprint", "weight_key", "freeze_weights", "DerivedCell",
-           "cell", "what_id", "live_cells", "held_bytes", "torch_fingerprint"]
+           "mark_derived", "cell", "what_id", "live_cells", "held_bytes", "torch_fingerprint"]
 
 _M1 = 0x9E3779B9
 _MASK32 = 0xFFFFFFFF
@@ -110,11 +116,50 @@ def _is_frozen(t: torch.Tensor) -> bool:
     return r is not None and r() is t
 
 
+#: derived values (:func:`mark_derived`) by id: (a weak reference, the serial number given
+#: when the value was made); a value computed again is a new tensor with a new number
+_derived: dict[int, tuple[weakref.ref, int]] = {}
+_serials = itertools.count(1)
+
+
+def mark_derived(value: Any, weights: Sequence[torch.Tensor] = ()) -> None:
+    """Note that the tensors of ``value`` (a tensor, or a tuple or list of them) are a derived
+    value just made from ``weights`` and held in a cell: nothing writes them but the code that
+    made them, and a new computation makes new tensors.  :func:`weight_key` of such a tensor
+    (a step that derives a second value from the first: W8A8's quantized weight of the
+    concatenated Q, K and V weights) is then a serial number given here, not a fingerprint of
+    its bytes: the weights it came from are checked by fingerprint already.  A tensor that
+    shares storage with one of ``weights`` (an op that returned its input) is not marked."""
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            mark_derived(v, weights)
+        return
+    if not isinstance(value, torch.Tensor):
+        return
+    ptr = value.untyped_storage().data_ptr()
+    if any(isinstance(w, torch.Tensor) and w.untyped_storage().data_ptr() == ptr
+           for w in weights):
+        return
+    key = id(value)
+    try:
+        ref = weakref.ref(value, lambda r, key=key: _derived.get(key, (None,))[0] is r and
+                          _derived.pop(key, None))
+    except TypeError:
+        return
+    _derived[key] = (ref, next(_serials))
+
+
 def weight_key(t: torch.Tensor) -> tuple:
     """What a value derived from ``t`` was computed from: address, dtype, shape, strides and
     :func:`fingerprint`.  Equal keys mean equal bytes (up to the fingerprint's collisions).
     For a tensor :func:`freeze_weights` marked (not an inference tensor, which has no version
-    counter), the version counter replaces the fingerprint: no read of its bytes."""
+    counter), the version counter replaces the fingerprint: no read of its bytes; for a
+    derived value (:func:`mark_derived`), its serial number and version counter."""
+    if _derived:
+        got = _derived.get(id(t))
+        if got is not None and got[0]() is t:
+            return t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), \
+                ("derived", got[1], None if t.is_inference() else t._version)
     if _frozen and _is_frozen(t) and not t.is_inference():
         return t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), ("version", t._version)
     return t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), fingerprint(t)

@@ -134,7 +134,7 @@ def test_owned_native_steps():
     x = torch.randn(2, 3)
     assert_expected_inline(_golden(_compiled_plan(lambda x: (x * 2).exp(), x)), """\
 # kinds: %0:input %1:owned %2:owned
-def _make(empty_strided, _wkey, _wcell, _held, c0, c1, c2, c3, c4, c5, _ws):
+def _make(empty_strided, _wkey, _wcell, _wmark, _held, c0, c1, c2, c3, c4, c5, _ws):
     def run(args):
         a0, = args
         c2(a0, c1, out=c0)
@@ -156,7 +156,7 @@ def test_input_view_and_planned_view():
     x = torch.randn(2, 3)
     assert_expected_inline(_golden(_compiled_plan(lambda x: (x * 2).t() * x.t(), x)), """\
 # kinds: %0:input %1:owned %2:view %3:view %4:owned
-def _make(empty_strided, _wkey, _wcell, _held, c0, c1, c2, c3, c4, c5, c6, _ws):
+def _make(empty_strided, _wkey, _wcell, _wmark, _held, c0, c1, c2, c3, c4, c5, c6, _ws):
     def run(args):
         a0, = args
         c2(a0, c1, out=c0)
@@ -179,7 +179,7 @@ def test_getitem_of_a_per_call_split():
     plan = _compiled_plan(lambda x: [a * 2 for a in x.chunk(2)], x)
     assert_expected_inline(_golden(plan), """\
 # kinds: %0:input %1:view %2:getitem %3:getitem %4:owned %5:owned
-def _make(empty_strided, _wkey, _wcell, _held, c0, c1, c2, c3, c4, c5, c6, _ws):
+def _make(empty_strided, _wkey, _wcell, _wmark, _held, c0, c1, c2, c3, c4, c5, c6, _ws):
     def run(args):
         a0, = args
         v1 = c0(a0, 2)
@@ -207,7 +207,7 @@ def test_bound_multi_output_and_its_getitem():
     plan = _compiled_plan(lambda x: F.layer_norm(x, (3,)) * 2, x)
     assert_expected_inline(_golden(plan), """\
 # kinds: %0:input %1:bound %2:getitem %3:owned
-def _make(empty_strided, _wkey, _wcell, _held, c0, c1, c2, c3, c4, c5, _ws):
+def _make(empty_strided, _wkey, _wcell, _wmark, _held, c0, c1, c2, c3, c4, c5, _ws):
     def run(args):
         a0, = args
         _r = c1(a0, [3], None, None, c0)
@@ -233,7 +233,7 @@ def test_inplace_write_into_an_input():
 
     assert_expected_inline(_golden(_compiled_plan(fn, torch.randn(2, 3))), """\
 # kinds: %0:input %1:owned %2:owned %3:inplace
-def _make(empty_strided, _wkey, _wcell, _held, c0, c1, c2, c3, c4, c5, c6, c7, _ws):
+def _make(empty_strided, _wkey, _wcell, _wmark, _held, c0, c1, c2, c3, c4, c5, c6, c7, _ws):
     def run(args):
         a0, = args
         c2(a0, c1, out=c0)
@@ -258,7 +258,7 @@ def test_concat_with_a_part_written_in_place():
     plan = _compiled_plan(lambda x, y: torch.cat([x * 2, y]) + 1, x, y)
     assert_expected_inline(_golden(plan), """\
 # kinds: %0:input %1:input %2:owned %3:concat %4:owned
-def _make(empty_strided, _wkey, _wcell, _held, c0, c1, c2, c3, c4, c5, c6, c7, c8, _ws):
+def _make(empty_strided, _wkey, _wcell, _wmark, _held, c0, c1, c2, c3, c4, c5, c6, c7, c8, _ws):
     def run(args):
         a0, a1 = args
         c2(a0, c1, out=c0)
@@ -283,7 +283,7 @@ def test_constant_folded_at_plan_time():
     plan = _compiled_plan(lambda x: x + torch.arange(3.0), x)
     assert_expected_inline(_golden(plan), """\
 # kinds: %3:constant %0:input %2:owned
-def _make(empty_strided, _wkey, _wcell, _held, c0, c1, c2, c3, _ws):
+def _make(empty_strided, _wkey, _wcell, _wmark, _held, c0, c1, c2, c3, _ws):
     def run(args):
         a0, = args
         v2 = empty_strided((2, 3), (3, 1), dtype=c1, device=c2)
@@ -302,7 +302,7 @@ def test_scalar_sizes_known_at_plan_time():
     plan = _compiled_plan(lambda x: x * (x.shape[0] * x.shape[1] + 1), x, dynamic=True)
     assert_expected_inline(_golden(plan), """\
 # kinds: %0:input %1:input %2:input %3:scalar %4:scalar %5:owned
-def _make(empty_strided, _wkey, _wcell, _held, c0, c1, c2, c3, _ws):
+def _make(empty_strided, _wkey, _wcell, _wmark, _held, c0, c1, c2, c3, _ws):
     def run(args):
         a0, a1, a2 = args
         v5 = empty_strided((2, 3), (3, 1), dtype=c0, device=c1)
@@ -324,7 +324,7 @@ def test_bind_of_a_number_known_per_call_only():
         plan = _compiled_plan(lambda x: (x * 2, x.sum().item()), x)
     assert_expected_inline(_golden(plan), """\
 # kinds: %0:input %1:owned %2:bound %3:bind %4:bind
-def _make(empty_strided, _wkey, _wcell, _held, c0, c1, c2, c3, c4, c5, c6, c7, c8, _ws):
+def _make(empty_strided, _wkey, _wcell, _wmark, _held, c0, c1, c2, c3, c4, c5, c6, c7, c8, _ws):
     def run(args):
         a0, = args
         v1 = empty_strided((2, 3), (3, 1), dtype=c0, device=c1)
@@ -360,7 +360,7 @@ def test_cached_weight_derived_step():
     plan = _compiled_plan(_WeightTimesTwo(), torch.randn(2, 3))
     assert_expected_inline(_golden(plan), """\
 # kinds: %0:input %1:input %2:cached %3:view %4:owned
-def _make(empty_strided, _wkey, _wcell, _held, c0, c1, c2, c3, c4, _ws):
+def _make(empty_strided, _wkey, _wcell, _wmark, _held, c0, c1, c2, c3, c4, _ws):
     def run(args):
         a0, a1 = args
         _wk0 = _wkey(a0)
@@ -370,6 +370,7 @@ def _make(empty_strided, _wkey, _wcell, _held, c0, c1, c2, c3, c4, _ws):
         if _p[0] != _k:
             _p = (_k, c0(a0, 2))
             _c.set(*_p)
+            _wmark(_p[1], (a0, ))
         v2 = _p[1]
         v3 = c1(v2)
         v4 = empty_strided((2, 3), (3, 1), dtype=c2, device=c3)
@@ -449,7 +450,7 @@ def test_owned_extension_steps(custom_ops):
     plan = _hand_plan(_twice_negate(), [x], [-2 * x])
     assert_expected_inline(_golden(plan), """\
 # kinds: %0:input %1:owned %2:owned
-def _make(empty_strided, _wkey, _wcell, _held, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, _ws):
+def _make(empty_strided, _wkey, _wcell, _wmark, _held, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, _ws):
     def run(args):
         a0, = args
         c1(c2, c3, None, [a0], c0, _ws)
@@ -477,7 +478,7 @@ def test_owned_device_copies_of_a_step_placed_on_the_cpu(custom_ops):
                       options={"device_type": "codegen_device"})
     assert_expected_inline(_golden(plan), """\
 # kinds: %0:input %2:owned %1:owned %3:owned
-def _make(empty_strided, _wkey, _wcell, _held, c0, c1, c2, c3, c4, c5, c6, c7, _ws):
+def _make(empty_strided, _wkey, _wcell, _wmark, _held, c0, c1, c2, c3, c4, c5, c6, c7, _ws):
     def run(args):
         a0, = args
         c0.copy_(a0)
@@ -514,7 +515,7 @@ def test_fused_copy_writes_the_destination():
         fxbackend.unregister_fusion("cpu", rule)
     assert_expected_inline(golden, """\
 # kinds: %0:input %1:input %2:input %3:input %7:fused_copy
-def _make(empty_strided, _wkey, _wcell, _held, c0, c1, c2, _ws):
+def _make(empty_strided, _wkey, _wcell, _wmark, _held, c0, c1, c2, _ws):
     def run(args):
         a0, a1, a2, a3 = args
         c0(c1, c2, None, [a0, a1, a2, a3], a3, _ws)

@@ -48,7 +48,9 @@ def test_shared_quantize_per_input_and_declines_with_reasons():
     torch.manual_seed(0)
     m = _Attn().eval()
     args = _inputs()
-    text = _explain(m, args, quantize="w8a8", convrot_group=16, quantize_min_size=0, fusion=False)  # steps as rewritten
+    # steps as rewritten, each linear a step of its own (q and k would share one GEMM)
+    text = _explain(m, args, quantize="w8a8", convrot_group=16, quantize_min_size=0, fusion=False,
+                    disable_rewrites=["merge_w8a8_linears"])
     steps = [ln for ln in text.splitlines() if ln.startswith("%")]
     quantizes = [ln for ln in steps if "sd.quantize_i8_convrot.v1" in ln]
     # q, k, v share one (group 16); odd's K = 36 takes the largest group dividing it, 4
@@ -109,10 +111,19 @@ def test_tiny_models_quantize_every_linear_and_stay_close(family):
     with torch.no_grad():
         ref = fxbackend.models.run_eager(model, inputs)[0]
         fxbackend.reset_stats()
+        # each linear a step of its own here (the count below); merged as by default below
+        opts = {"quantize": "w8a8", "convrot_group": 16, "quantize_min_size": 0}
         out = fxbackend.models.run_eager(
             torch.compile(model, backend="fxbackend",
-                          options={"quantize": "w8a8", "convrot_group": 16, "quantize_min_size": 0}), inputs)[0]
-    s = fxbackend.stats()
+                          options=dict(opts, disable_rewrites=["merge_w8a8_linears"])),
+            inputs)[0]
+        s = fxbackend.stats()
+        torch._dynamo.reset()
+        fxbackend.reset_stats()
+        merged = fxbackend.models.run_eager(torch.compile(model, backend="fxbackend",
+                                                          options=opts), inputs)[0]
+    assert fxbackend.stats()["rewrites_by_rule"]["merge_w8a8_linears"] >= 3  # Q, K and V
+    assert torch.equal(merged, out)
     n_linear = sum(isinstance(mod, nn.Linear) for mod in model.modules())
     assert s["rewrites_by_rule"]["quantize_w8a8"] == n_linear
     fused = s["fusions_by_rule"]  # integer GEMMs that the int8 fusions absorbed
@@ -152,7 +163,8 @@ def test_16_bit_model_quantizes_its_layers():
     torch.manual_seed(0)
     m = _Attn().to(torch.bfloat16).eval()
     args = tuple(a.to(torch.bfloat16) for a in _inputs())
-    text = _explain(m, args, quantize="w8a8", convrot_group=16, quantize_min_size=0)
+    text = _explain(m, args, quantize="w8a8", convrot_group=16, quantize_min_size=0,
+                    disable_rewrites=["merge_w8a8_linears"])  # q and k: a step each
     declined = [ln for ln in text.splitlines() if "quantize_w8a8 declined" in ln]
     assert len(declined) == 1 and "is a user input" in declined[0]  # the rest are quantized
     # each 16-bit linear's step writes bf16: its cast is in the fused step (q(h) * k(h) + v(h)
@@ -212,3 +224,102 @@ def test_the_prepacked_engines_give_the_same_model_outputs(family, dtype, monkey
     cos = torch.nn.functional.cosine_similarity(outs["onednn_linear"].float().flatten(),
                                                 ref.flatten(), dim=0).item()
     assert cos > 0.999
+
+
+class _Projections(nn.Module):
+    """Attention's Q, K and V projections of one normalised input (split into heads and
+    normalised per head, as Flux does), an MLP projection of the same input (wider, with a
+    GELU), and a projection of another input."""
+
+    def __init__(self, d=64, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(d)
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.qn, self.kn = nn.RMSNorm(d // heads, eps=1e-6), nn.RMSNorm(d // heads, eps=1e-6)
+        self.mlp = nn.Linear(d, 4 * d)
+        self.out = nn.Linear(5 * d, d)
+
+    def forward(self, x):
+        h = self.norm(x)
+        b, t, d = h.shape
+        q = self.qn(self.q(h).view(b, t, self.heads, -1)).transpose(1, 2)
+        k = self.kn(self.k(h).view(b, t, self.heads, -1)).transpose(1, 2)
+        v = self.v(h).view(b, t, self.heads, -1).transpose(1, 2)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        a = a.transpose(1, 2).reshape(b, t, d)
+        return self.out(torch.cat([a, torch.nn.functional.gelu(self.mlp(h))], dim=-1))
+
+
+_MERGE = {"quantize": "w8a8", "convrot_group": 16, "quantize_min_size": 0}
+_NO_MERGE = dict(_MERGE, disable_rewrites=["merge_w8a8_linears"])
+
+
+def _run(model, x, opts):
+    torch._dynamo.reset()
+    with torch.no_grad():
+        return torch.compile(model, backend="fxbackend", options=opts)(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_projections_of_one_input_run_as_one_gemm_with_the_same_result(dtype):
+    torch.manual_seed(0)
+    m = _Projections().to(dtype).eval()
+    x = torch.randn(2, 9, 64, dtype=dtype)
+    steps = [ln for ln in _explain(m, (x,), **_MERGE).splitlines() if ln.startswith("%")]
+    linears = [ln for ln in steps if "sd.linear_i8.v1" in ln or "int8_linear" in ln]
+    # q, k and v: one step of width 3 * 64 (a bf16 layer's cast in it); the wider MLP
+    # projection and the output projection keep steps of their own
+    short = "f32" if dtype == torch.float32 else "bf16"
+    assert sum(f": {short}[18,192]" in ln for ln in linears) == 1, linears
+    assert len(linears) == 3, linears
+    assert sum("aten.slice.Tensor" in ln and "{192,1}" in ln for ln in steps) == 3
+    assert sum("aten.cat.default" in ln and "{dim=0}" in ln for ln in steps) == 2  # W, bias
+    merged, separate = _run(m, x, _MERGE), _run(m, x, _NO_MERGE)
+    # the same codes and per-channel scales per output column: the same bits
+    assert torch.equal(merged, separate)
+
+
+def test_merged_projections_see_weight_changes_and_fingerprint_only_the_weights(monkeypatch):
+    torch.manual_seed(0)
+    m = _Projections().eval()
+    x = torch.randn(2, 9, 64)
+    seen = []
+    real = fxbackend.weights._FINGERPRINTS.get("cpu", fxbackend.weights.torch_fingerprint)
+    monkeypatch.setitem(fxbackend.weights._FINGERPRINTS, "cpu",
+                        lambda t: seen.append(tuple(t.shape)) or real(t))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        fn = torch.compile(m, backend="fxbackend", options=_MERGE)
+        before = fn(x).clone()
+        seen.clear()
+        fn(x)
+        # the concatenated weight is checked through the three weights it came from, never
+        # read itself per call (its quantized form is keyed by serial number)
+        assert (192, 64) not in seen and seen.count((64, 64)) >= 3
+        m.k.weight.data.mul_(0.5)  # a write through .data: no version counter moves
+        m.v.bias.data.add_(0.25)
+        after = fn(x)
+    assert not torch.equal(before, after)
+    assert torch.equal(after, _run(m, x, _NO_MERGE))
+
+
+class _ReturnsAProjection(nn.Module):
+    def __init__(self, d=64):
+        super().__init__()
+        self.q, self.k = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.q(x), self.k(x) * 2
+
+
+def test_merge_declines_a_projection_that_is_returned():
+    torch.manual_seed(0)
+    m = _ReturnsAProjection().eval()
+    x = torch.randn(2, 9, 64)
+    text = _explain(m, (x,), **_MERGE)
+    assert "merge_w8a8_linears declined" in text and "is a graph output" in text
+    steps = [ln for ln in text.splitlines() if ln.startswith("%")]
+    assert sum("sd.linear_i8.v1" in ln for ln in steps) == 2
+    for got, want in zip(_run(m, x, _MERGE), _run(m, x, _NO_MERGE)):
+        assert torch.equal(got, want)

@@ -344,3 +344,28 @@ def test_freeze_weights_rejects_what_is_not_tensors():
     assert fxbackend.freeze_weights(t) == 1 and fxbackend.freeze_weights([t], frozen=False) == 1
     from fxbackend import weights
     assert weights.weight_key(t)[-1] == weights.fingerprint(t)  # unfrozen: the bytes again
+
+
+def test_a_derived_value_is_keyed_by_serial_number_not_by_its_bytes(monkeypatch):
+    from fxbackend import weights
+    w = torch.randn(8, 4)
+    value = torch.cat([w, w])  # a value derived from w, held by the plan that made it
+    weights.mark_derived(value, (w,))
+    monkeypatch.setitem(weights._FINGERPRINTS, "cpu", lambda t: pytest.fail("fingerprinted"))
+    key = weights.weight_key(value)
+    assert key == weights.weight_key(value)
+    again = torch.cat([w, w])  # computed again: a new number, even at the same address
+    weights.mark_derived(again, (w,))
+    assert weights.weight_key(again)[-1] != key[-1]
+    value.add_(1)  # nothing writes a derived value, but if something did, it is seen
+    assert weights.weight_key(value) != key
+
+
+def test_a_value_that_aliases_its_weight_is_not_marked(monkeypatch):
+    from fxbackend import weights
+    w = torch.randn(8, 4)
+    weights.mark_derived(w.view(4, 8), (w,))  # an op that returned a view of its input
+    weights.mark_derived(w, (w,))
+    calls = []
+    monkeypatch.setitem(weights._FINGERPRINTS, "cpu", lambda t: calls.append(t) or 7)
+    assert weights.weight_key(w)[-1] == 7 and len(calls) == 1
