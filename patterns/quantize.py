@@ -48,6 +48,8 @@ concatenated weights, each layer's value a column slice of its result.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 import fxbackend
@@ -218,10 +220,32 @@ def _same_layout(a: TensorMeta, b: TensorMeta) -> bool:
         all(s == 1 or x == y for s, x, y in zip(a.shape, a.stride, b.stride))
 
 
-def _reader_meta(r: Node, metas: dict) -> TensorMeta | None:
-    """``r``'s result metadata with its sources laid out as ``metas`` says (else as now)."""
+def _multi_meta(r: Node, metas: dict) -> tuple | None:
+    """The metadata of the outputs of the multi-output ATen step ``r`` (attention: output and
+    log-sum-exp) run on the meta device with its sources laid out as ``metas`` says; None
+    when it cannot run so."""
+    from fxbackend.native import call_args
+
+    def src(s: Node) -> torch.Tensor:
+        m = metas.get(s, s.meta)
+        return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
+    try:
+        a, kw = call_args(r, src, lambda v: v)
+        out = r.target(*a, **kw)
+    except Exception:  # no meta implementation for these arguments
+        return None
+    if not isinstance(out, (tuple, list)) or len(out) != len(r.meta):
+        return None
+    return tuple(TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype, old.device,
+                            t.storage_offset()) if isinstance(t, torch.Tensor) and
+                 isinstance(old, TensorMeta) else old for t, old in zip(out, r.meta))
+
+
+def _reader_meta(r: Node, metas: dict) -> Any:
+    """``r``'s result metadata (a tuple for a multi-output step) with its sources laid out as
+    ``metas`` says (else as now); None when it cannot be computed."""
     if isinstance(r.target, torch._ops.OpOverload):
-        return result_meta(r, metas)
+        return _multi_meta(r, metas) if r.is_multi else result_meta(r, metas)
     op = fxbackend.get_op(r.op)
     if op is None:
         return None
@@ -234,7 +258,8 @@ def _reader_meta(r: Node, metas: dict) -> TensorMeta | None:
 def follow_column_slice(users: dict, n: Node, meta: TensorMeta) -> dict | str:
     """The new metadata of ``n`` and of the views that read it (and views of those) when
     ``n``'s value becomes ``meta``, a column slice of a wider result (row stride larger than
-    its width); every other reader must give the same result layout as before.  A dict
+    its width); every other reader must give the same result layout as before (each output's,
+    for a multi-output step: attention reading a UNet's Q directly).  A dict
     ``{node: meta}``, or why the readers cannot take the slice (a graph output, an in-place
     write, a view that cannot follow it, a step whose result would change layout)."""
     new = {n: meta}
@@ -246,9 +271,15 @@ def follow_column_slice(users: dict, n: Node, meta: TensorMeta) -> dict | str:
         for r in users.get(v, ()):
             if r.inplace_of is not None:
                 return f"%{r.id} writes in place into %{r.inplace_of.id}"
-            if r.is_multi or v not in r.srcs:
+            if v not in r.srcs:
                 return f"%{r.id} reads %{v.id} otherwise than as a tensor source"
             m = _reader_meta(r, new)
+            if r.is_multi:  # its outputs must keep their layouts
+                if r.view_of is not None or m is None or \
+                        not all(_same_layout(a, b) for a, b in zip(m, r.meta)
+                                if isinstance(b, TensorMeta)):
+                    return f"%{r.id} ({r.op}) would lay its results out otherwise"
+                continue
             if r.view_of is v:
                 if m is None or tuple(m.shape) != tuple(r.meta.shape) or \
                         m.dtype != r.meta.dtype:

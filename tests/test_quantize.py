@@ -231,9 +231,9 @@ class _Projections(nn.Module):
     normalised per head, as Flux does), an MLP projection of the same input (wider, with a
     GELU), and a projection of another input."""
 
-    def __init__(self, d=64, heads=4):
+    def __init__(self, d=64, heads=4, qk_norm=True):
         super().__init__()
-        self.heads = heads
+        self.heads, self.qk_norm = heads, qk_norm
         self.norm = nn.LayerNorm(d)
         self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
         self.qn, self.kn = nn.RMSNorm(d // heads, eps=1e-6), nn.RMSNorm(d // heads, eps=1e-6)
@@ -243,8 +243,10 @@ class _Projections(nn.Module):
     def forward(self, x):
         h = self.norm(x)
         b, t, d = h.shape
-        q = self.qn(self.q(h).view(b, t, self.heads, -1)).transpose(1, 2)
-        k = self.kn(self.k(h).view(b, t, self.heads, -1)).transpose(1, 2)
+        q, k = self.q(h).view(b, t, self.heads, -1), self.k(h).view(b, t, self.heads, -1)
+        if self.qk_norm:  # Flux, SD3; a UNet's attention reads q and k as they come
+            q, k = self.qn(q), self.kn(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v(h).view(b, t, self.heads, -1).transpose(1, 2)
         a = torch.nn.functional.scaled_dot_product_attention(q, k, v)
         a = a.transpose(1, 2).reshape(b, t, d)
@@ -261,10 +263,11 @@ def _run(model, x, opts):
         return torch.compile(model, backend="fxbackend", options=opts)(x)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_projections_of_one_input_run_as_one_gemm_with_the_same_result(dtype):
+@pytest.mark.parametrize("dtype,qk_norm", [(torch.float32, True), (torch.bfloat16, True),
+                                           (torch.float32, False)])
+def test_projections_of_one_input_run_as_one_gemm_with_the_same_result(dtype, qk_norm):
     torch.manual_seed(0)
-    m = _Projections().to(dtype).eval()
+    m = _Projections(qk_norm=qk_norm).to(dtype).eval()
     x = torch.randn(2, 9, 64, dtype=dtype)
     steps = [ln for ln in _explain(m, (x,), **_MERGE).splitlines() if ln.startswith("%")]
     linears = [ln for ln in steps if "sd.linear_i8.v1" in ln or "int8_linear" in ln]
