@@ -255,14 +255,18 @@ def _reader_meta(r: Node, metas: dict) -> Any:
         return None
 
 
-def follow_column_slice(users: dict, n: Node, meta: TensorMeta) -> dict | str:
+def follow_column_slice(users: dict, n: Node, meta: TensorMeta,
+                        known: dict | None = None) -> dict | str:
     """The new metadata of ``n`` and of the views that read it (and views of those) when
     ``n``'s value becomes ``meta``, a column slice of a wider result (row stride larger than
     its width); every other reader must give the same result layout as before (each output's,
     for a multi-output step: attention reading a UNet's Q directly).  A dict
     ``{node: meta}``, or why the readers cannot take the slice (a graph output, an in-place
-    write, a view that cannot follow it, a step whose result would change layout)."""
-    new = {n: meta}
+    write, a view that cannot follow it, a step whose result would change layout).
+    ``known``: new metadata of other nodes already decided (the group's other slices and
+    their views), which a reader of several of them sees too; included in the dict."""
+    new = dict(known or {})
+    new[n] = meta
     todo = [n]
     while todo:
         v = todo.pop()
@@ -379,11 +383,11 @@ class MergeSharedInputLinears:
         for i, (n, t) in enumerate(group):
             sliced = TensorMeta((m_rows, n_cols), (total, 1), dtype, first.meta.device,
                                 i * n_cols)
-            got = follow_column_slice(users, t, sliced)
+            got = follow_column_slice(users, t, sliced, metas)
             if isinstance(got, str):
                 ctx.decline([n for n, _ in group], f"not merged into one GEMM: {got}")
                 return False
-            metas.update(got)
+            metas = got
         make = AtenBuilder(graph, first)
         srcs = [first.srcs[0], make("cat", [n.srcs[1] for n, _ in group], {"dim": 0})]
         if first.params.get("has_bias"):
