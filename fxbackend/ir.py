@@ -22,7 +22,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 __all__ = ["TensorMeta", "ScalarMeta", "Node", "Graph", "storage_root", "format_node",
-           "contiguous_strides"]
+           "contiguous_strides", "same_strides", "same_layout"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,6 +305,25 @@ def contiguous_strides(shape: Sequence) -> tuple:
         strides.append(acc)
         acc *= max(size, 1) if type(size) is int else size
     return tuple(reversed(strides))
+
+
+def same_strides(shape: Sequence, a: Sequence, b: Sequence) -> bool:
+    """Strides ``a`` and ``b`` of ``shape`` address the same elements: equal on every dim of
+    size > 1 (a dim of size 0 or 1 is never stepped along)."""
+    return all(size <= 1 or x == y for size, x, y in zip(shape, a, b))
+
+
+def same_layout(a: Any, b: Any) -> bool:
+    """Metadata ``a`` and ``b`` (TensorMeta, or tuples of them for a multi-output step; None
+    entries match None) lay out the same elements: equal shape, dtype and storage offset, and
+    :func:`same_strides`."""
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        return isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) and \
+            all(same_layout(x, y) for x, y in zip(a, b))
+    if not isinstance(a, TensorMeta) or not isinstance(b, TensorMeta):
+        return a is None and b is None
+    return tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype and \
+        a.storage_offset == b.storage_offset and same_strides(a.shape, a.stride, b.stride)
 
 
 def _is_contiguous(shape: tuple, stride: tuple) -> bool:

@@ -145,12 +145,14 @@ def apply_rewrites(graph: Graph, ctx: RewriteContext | None = None) -> dict[str,
     return done
 
 
-def result_meta(node: Node, metas: dict | None = None, fake: bool = False) -> TensorMeta | None:
+def result_meta(node: Node, metas: dict | None = None,
+                fake: bool = False) -> TensorMeta | tuple | None:
     """``node``'s result metadata for sources laid out as ``metas`` says (else as their own
     metadata): its op run on the meta device, where views and most ops follow the same stride
     rules as on any other, or with ``fake`` on fake tensors of the sources' device (what a CPU
-    convolution needs: the meta device's ignores the CPU's channels-last rule).  None when
-    the op cannot run so."""
+    convolution needs: the meta device's ignores the CPU's channels-last rule).  For an op
+    with several outputs (attention's output and log-sum-exp), a tuple with one entry per
+    output (None for one that is not a tensor).  None when the op cannot run so."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .native import call_args
@@ -167,10 +169,15 @@ def result_meta(node: Node, metas: dict | None = None, fake: bool = False) -> Te
             out = node.target(*a, **kw)
     except Exception:  # no meta/fake implementation for these arguments
         return None
-    if not isinstance(out, torch.Tensor):
-        return None
-    return TensorMeta(tuple(out.shape), tuple(out.stride()), out.dtype,
-                      node.srcs[0].meta.device, out.storage_offset())
+    device = node.srcs[0].meta.device
+
+    def meta(t: Any) -> TensorMeta | None:
+        if not isinstance(t, torch.Tensor):
+            return None
+        return TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype, device, t.storage_offset())
+    if isinstance(out, (tuple, list)):
+        return tuple(meta(t) for t in out)
+    return meta(out)
 
 
 class AtenBuilder:

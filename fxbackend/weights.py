@@ -106,19 +106,39 @@ def fingerprint(t: torch.Tensor) -> int:
     return _FINGERPRINTS.get(t.device.type, torch_fingerprint)(t)
 
 
-#: the tensors :func:`freeze_weights` marked, by id (a weak reference each: a tensor's ``==``
-#: is elementwise, so no WeakSet): their keys use the version counter instead of a fingerprint
-_frozen: dict[int, weakref.ref] = {}
+def _remember(store: dict, t: torch.Tensor, payload: Any) -> bool:
+    """``store[id(t)] = (a weak reference to t, payload)``, dropped when ``t`` goes (a tensor's
+    ``==`` is elementwise, so no WeakSet or WeakKeyDictionary); False when ``t`` cannot be
+    weakly referenced."""
+    key = id(t)
+    try:
+        ref = weakref.ref(t, lambda r, key=key: store.get(key, (None,))[0] is r and
+                          store.pop(key, None))
+    except TypeError:
+        return False
+    store[key] = (ref, payload)
+    return True
+
+
+def _recall(store: dict, t: torch.Tensor) -> tuple | None:
+    """``t``'s entry in a :func:`_remember` store (not that of a dead tensor whose id ``t``
+    took over), else None."""
+    got = store.get(id(t))
+    return got if got is not None and got[0]() is t else None
+
+
+#: the tensors :func:`freeze_weights` marked (:func:`_remember`): their keys use the version
+#: counter instead of a fingerprint
+_frozen: dict[int, tuple] = {}
 
 
 def _is_frozen(t: torch.Tensor) -> bool:
-    r = _frozen.get(id(t))
-    return r is not None and r() is t
+    return _recall(_frozen, t) is not None
 
 
-#: derived values (:func:`mark_derived`) by id: (a weak reference, the serial number given
-#: when the value was made); a value computed again is a new tensor with a new number
-_derived: dict[int, tuple[weakref.ref, int]] = {}
+#: derived values (:func:`mark_derived`; :func:`_remember`, with the serial number given when
+#: the value was made): a value computed again is a new tensor with a new number
+_derived: dict[int, tuple] = {}
 _serials = itertools.count(1)
 
 
@@ -140,13 +160,7 @@ def mark_derived(value: Any, weights: Sequence[torch.Tensor] = ()) -> None:
     if any(isinstance(w, torch.Tensor) and w.untyped_storage().data_ptr() == ptr
            for w in weights):
         return
-    key = id(value)
-    try:
-        ref = weakref.ref(value, lambda r, key=key: _derived.get(key, (None,))[0] is r and
-                          _derived.pop(key, None))
-    except TypeError:
-        return
-    _derived[key] = (ref, next(_serials))
+    _remember(_derived, value, next(_serials))
 
 
 def weight_key(t: torch.Tensor) -> tuple:
@@ -156,8 +170,8 @@ def weight_key(t: torch.Tensor) -> tuple:
     counter), the version counter replaces the fingerprint: no read of its bytes; for a
     derived value (:func:`mark_derived`), its serial number and version counter."""
     if _derived:
-        got = _derived.get(id(t))
-        if got is not None and got[0]() is t:
+        got = _recall(_derived, t)
+        if got is not None:
             return t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), \
                 ("derived", got[1], None if t.is_inference() else t._version)
     if _frozen and _is_frozen(t) and not t.is_inference():
@@ -199,9 +213,7 @@ def freeze_weights(weights: Any, frozen: bool = True) -> int:
             if _is_frozen(t):
                 del _frozen[id(t)]
             continue
-        key = id(t)
-        _frozen[key] = weakref.ref(t, lambda r, key=key: _frozen.get(key) is r and
-                                   _frozen.pop(key, None))
+        _remember(_frozen, t, None)
     return len(tensors)
 
 

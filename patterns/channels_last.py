@@ -43,6 +43,7 @@ import torch
 
 import fxbackend
 from fxbackend import Node, TensorMeta, contiguous_strides
+from fxbackend.ir import same_layout, same_strides
 from fxbackend.native import call_args, out_is_copy, out_overload
 from fxbackend.rewrite import AtenBuilder
 
@@ -66,16 +67,12 @@ _GATHER_OP = "aten._unsafe_index.Tensor"
 _COPY_OPS = ("aten._to_copy.default", "aten.clone.default")
 
 
-def _same_strides(shape, a, b) -> bool:
-    return all(size <= 1 or x == y for size, x, y in zip(shape, a, b))
-
-
 def is_channels_last(m) -> bool:
     """``m`` is a dense 4-D or 5-D channels-last tensor (strides compared on dims of size >
     1)."""
     return isinstance(m, TensorMeta) and not m.is_symbolic and len(m.shape) in _NDIMS and \
         m.storage_offset == 0 and \
-        _same_strides(m.shape, m.stride, channels_last_strides(m.shape))
+        same_strides(m.shape, m.stride, channels_last_strides(m.shape))
 
 
 def _canonical(m) -> bool:
@@ -96,16 +93,6 @@ def _writes_planned(n: Node) -> bool:
             not isinstance(t, torch._ops.OpOverload):
         return False
     return n.op in _COPY_OPS or (out_overload(t) is not None and not out_is_copy(t, "cpu"))
-
-
-def _same_layout(a, b) -> bool:
-    if isinstance(a, tuple) or isinstance(b, tuple):
-        return isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) and \
-            all(_same_layout(x, y) for x, y in zip(a, b))
-    if not isinstance(a, TensorMeta) or not isinstance(b, TensorMeta):
-        return a is None and b is None
-    return tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype and \
-        a.storage_offset == b.storage_offset and _same_strides(a.shape, a.stride, b.stride)
 
 
 def _cl(m: TensorMeta) -> TensorMeta:
@@ -176,7 +163,7 @@ class ChannelsLastConvs:
                     if not is_channels_last(m):
                         raise _Decline(f"the fake convolution of %{n.id} on channels-last "
                                        f"operands does not return channels-last")
-                    if not _same_layout(m, n.meta):
+                    if not same_layout(m, n.meta):
                         new[n] = m
                     continue
                 if self._relayout_clone(n, new):
@@ -187,7 +174,7 @@ class ChannelsLastConvs:
                     continue
                 if n.op == "getitem":
                     got = new[n.srcs[0]][n.params["index"]]
-                    if not _same_layout(got, n.meta):
+                    if not same_layout(got, n.meta):
                         new[n] = got
                     continue
                 m = self._follow(n, run, new)
@@ -203,7 +190,7 @@ class ChannelsLastConvs:
                 if isinstance(m, TensorMeta) and is_channels_last(m) and not _canonical(m) \
                         and _writes_planned(n):
                     m = _cl(m)
-                if not _same_layout(m, n.meta) or (isinstance(m, TensorMeta) and
+                if not same_layout(m, n.meta) or (isinstance(m, TensorMeta) and
                                                    _canonical(m) and not _canonical(n.meta)):
                     new[n] = m
         for o in graph.outputs:

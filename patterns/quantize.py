@@ -54,7 +54,7 @@ import torch
 
 import fxbackend
 from fxbackend import Node, TensorMeta
-from fxbackend.ir import storage_root
+from fxbackend.ir import same_layout, storage_root
 from fxbackend.ops import infer_node_meta
 from fxbackend.rewrite import AtenBuilder, result_meta
 
@@ -212,40 +212,11 @@ fxbackend.register_rewrite(QuantizeW8A8)
 
 # -- one GEMM for the linears of one input --------------------------------------------------------
 
-def _same_layout(a: TensorMeta, b: TensorMeta) -> bool:
-    """Equal shape, dtype, offset and strides (a size-1 dim's stride aside)."""
-    return isinstance(a, TensorMeta) and isinstance(b, TensorMeta) and \
-        tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype and \
-        a.storage_offset == b.storage_offset and \
-        all(s == 1 or x == y for s, x, y in zip(a.shape, a.stride, b.stride))
-
-
-def _multi_meta(r: Node, metas: dict) -> tuple | None:
-    """The metadata of the outputs of the multi-output ATen step ``r`` (attention: output and
-    log-sum-exp) run on the meta device with its sources laid out as ``metas`` says; None
-    when it cannot run so."""
-    from fxbackend.native import call_args
-
-    def src(s: Node) -> torch.Tensor:
-        m = metas.get(s, s.meta)
-        return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
-    try:
-        a, kw = call_args(r, src, lambda v: v)
-        out = r.target(*a, **kw)
-    except Exception:  # no meta implementation for these arguments
-        return None
-    if not isinstance(out, (tuple, list)) or len(out) != len(r.meta):
-        return None
-    return tuple(TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype, old.device,
-                            t.storage_offset()) if isinstance(t, torch.Tensor) and
-                 isinstance(old, TensorMeta) else old for t, old in zip(out, r.meta))
-
-
 def _reader_meta(r: Node, metas: dict) -> Any:
     """``r``'s result metadata (a tuple for a multi-output step) with its sources laid out as
     ``metas`` says (else as now); None when it cannot be computed."""
     if isinstance(r.target, torch._ops.OpOverload):
-        return _multi_meta(r, metas) if r.is_multi else result_meta(r, metas)
+        return result_meta(r, metas)
     op = fxbackend.get_op(r.op)
     if op is None:
         return None
@@ -279,8 +250,9 @@ def follow_column_slice(users: dict, n: Node, meta: TensorMeta,
                 return f"%{r.id} reads %{v.id} otherwise than as a tensor source"
             m = _reader_meta(r, new)
             if r.is_multi:  # its outputs must keep their layouts
-                if r.view_of is not None or m is None or \
-                        not all(_same_layout(a, b) for a, b in zip(m, r.meta)
+                if r.view_of is not None or not isinstance(m, tuple) or \
+                        len(m) != len(r.meta) or \
+                        not all(same_layout(a, b) for a, b in zip(m, r.meta)
                                 if isinstance(b, TensorMeta)):
                     return f"%{r.id} ({r.op}) would lay its results out otherwise"
                 continue
@@ -290,7 +262,7 @@ def follow_column_slice(users: dict, n: Node, meta: TensorMeta,
                     return f"the view %{r.id} ({r.op}) cannot follow a column slice"
                 new[r] = m
                 todo.append(r)
-            elif m is None or not _same_layout(m, r.meta):
+            elif not isinstance(m, TensorMeta) or not same_layout(m, r.meta):
                 return f"%{r.id} ({r.op}) would lay its result out otherwise"
     return new
 
