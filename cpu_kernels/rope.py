@@ -47,7 +47,9 @@ disk, with the set-up every CPU kernel module shares (``cpu_kernels/_numba.py``)
 user set ``NUMBA_CACHE_DIR``, it defaults (before numba is imported) to
 ``$XDG_CACHE_HOME/fxbackend/numba`` or ``~/.cache/fxbackend/numba`` (not site-packages, which
 may be read-only), falling back to a per-user temporary folder when that cannot be created.
-Threads: numba runs with ``min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)``.
+Threads: numba runs with ``min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)``, set
+per Python thread when torch's count differs from the one it was last set from (a
+``numba.set_num_threads`` call elsewhere in that thread stands until then).
 """
 from __future__ import annotations
 
@@ -191,11 +193,24 @@ _register = _numba.once(globals(), _register_helpers)
 _jit = _numba.once(globals(), lambda numba: _numba.njit(_rope_kernel), requires=(_register,))
 
 
+#: per Python thread (numba's thread count is per thread): the torch thread count numba's was
+#: last set from, and the count set
+_threads_set = threading.local()
+
+
 def _set_threads() -> int:
+    """numba's thread count for the next kernel launch in this thread: torch's, at most
+    ``NUMBA_NUM_THREADS`` (module docstring); returned.  Set again only when torch's count
+    changed since this thread last set it: ``numba.get_num_threads`` costs 8-18 us a call
+    (2 threads of an AVX2-only EPYC, after another op), paid by every kernel step."""
+    t = torch.get_num_threads()
+    if getattr(_threads_set, "torch", None) == t:
+        return _threads_set.numba
     numba = sys.modules["numba"]
-    n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    n = max(1, min(t, numba.config.NUMBA_NUM_THREADS))
     if numba.get_num_threads() != n:
         numba.set_num_threads(n)
+    _threads_set.torch, _threads_set.numba = t, n
     return n
 
 

@@ -570,3 +570,29 @@ def test_flat_arrays_are_kept_per_tensor_and_follow_its_storage():
     del f, t
     gc.collect()
     assert gone() is None and key not in cpu_rope._FLAT_CACHE
+
+
+def test_kernel_threads_follow_torch_per_python_thread():
+    """numba's thread count for the CPU kernels follows torch's: set again after
+    ``torch.set_num_threads`` changes it, and set in a new Python thread (numba's count is per
+    thread) before its first kernel there."""
+    import threading
+
+    import numba
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2, old):
+            torch.set_num_threads(threads)
+            want = min(threads, numba.config.NUMBA_NUM_THREADS)
+            assert cpu_rope._set_threads() == want
+            assert numba.get_num_threads() == want
+        torch.set_num_threads(1)  # a new thread starts at numba's default (all cores)
+        assert cpu_rope._set_threads() == 1
+        got = []
+        worker = threading.Thread(target=lambda: got.append((cpu_rope._set_threads(),
+                                                             numba.get_num_threads())))
+        worker.start()
+        worker.join()
+        assert got == [(1, 1)]
+    finally:
+        torch.set_num_threads(old)
