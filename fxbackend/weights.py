@@ -240,6 +240,11 @@ class DerivedCell:
         self._pair = (key, value)
         self.computed += 1
 
+    def clear(self) -> None:
+        """Drop the value held (its weight went, or a test wants it made again): the next
+        ``get`` computes it."""
+        self._pair = (None, None)
+
     def get(self, key: Any, compute: Callable[[], Any]) -> Any:
         k, v = self._pair
         if k != key or k is None:
@@ -265,7 +270,7 @@ def _forget(wid: int, ref: weakref.ref) -> None:
                 c = _cells.pop(k, None)
                 c = c() if c is not None else None
                 if c is not None:  # a plan may still hold it: free the value now
-                    c._pair = (None, None)
+                    c.clear()
 
 
 def _lookup(key: tuple) -> DerivedCell | None:

@@ -208,7 +208,7 @@ def _remade(compiled, inputs):
     without compiling one (a compile of the tiny bf16 UNet takes seconds)."""
     from fxbackend import weights
     for c in weights.live_cells():
-        c._pair = (None, None)
+        c.clear()
     return compiled(**inputs)[0]
 
 
