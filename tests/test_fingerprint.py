@@ -13,6 +13,8 @@ CASES = [  # (dtype, shape): odd byte counts leave 1-3 tail bytes; several paral
     (torch.bfloat16, (64, 33)), (torch.float16, (5, 3)), (torch.int8, (13,)),
     (torch.int8, (2, 2 * CHUNK + 3)), (torch.float64, (4, 4)), (torch.bool, (9,)),
     (torch.complex64, (3,)), (torch.float32, (0,)),
+    # one chunk is hashed on the calling thread, more in parallel: both sides of the edge
+    (torch.float32, (CHUNK,)), (torch.int8, (4 * CHUNK + 4,)), (torch.int8, (4 * CHUNK + 2,)),
 ]
 
 
