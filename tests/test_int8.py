@@ -803,3 +803,31 @@ def test_cuda_linear_small_m_falls_back_to_the_reference():
     (out,) = compiled(g)(*srcs)
     assert dict(fxbackend.stats()["steps_by_kernel"]) == {"native": 1}
     assert torch.equal(out.cpu(), _reference([t.cpu() for t in srcs], attrs))
+
+
+def test_weight_state_follows_the_weight_object_group_and_variant():
+    """``WeightState.get`` keeps the cell of its last call: a call with another weight object,
+    group or quantizer variant takes that one's own value, and a ``.data`` write is seen."""
+    calls = []
+    variant = [1]
+
+    def quantize(w, group, w_i8, w_scale):
+        calls.append((group, variant[0]))
+        w_i8.fill_(len(calls))
+        w_scale.fill_(1.0)
+    quantize.variant = lambda: variant[0]
+
+    st = I.WeightState(4, 8, torch.device("cpu"))
+    w = torch.randn(4, 8)
+    first = st.get(w, 1, quantize)
+    assert st.get(w, 1, quantize)[0] is first[0] and len(calls) == 1
+    other = w.clone()  # equal bytes, another object: a value of its own
+    assert int(st.get(other, 1, quantize)[0][0, 0]) == 2
+    assert st.get(w, 1, quantize)[0] is first[0] and len(calls) == 2
+    assert int(st.get(w, 4, quantize)[0][0, 0]) == 3  # another group
+    variant[0] = 2
+    assert int(st.get(w, 1, quantize)[0][0, 0]) == 4 and calls[-1] == (1, 2)
+    variant[0] = 1
+    assert st.get(w, 1, quantize)[0] is first[0] and len(calls) == 4
+    w.data.mul_(2)  # not seen by the version counter, seen by the fingerprint
+    assert int(st.get(w, 1, quantize)[0][0, 0]) == 5 and st.quantized == 5
