@@ -12,11 +12,11 @@ linear in the position, so chunks are summed in parallel (``prange``) and their 
 added: the same value as ``torch_fingerprint`` for every tensor.  A tensor of one chunk (a bias,
 a norm's weight) is summed on the calling thread, without a parallel launch: 5.9 against 12.7 us
 for 384 float32 words, 8.4 against 17 us for 24576, warm, on 2 threads of an AVX2-only EPYC
-(and the partial sums are added in Python: numpy's reductions of a few values cost 1.9 us).  The loop is a vectorisable
-multiply-add over uint32 lanes (AVX2's ``vpmulld``, two per word): 20-47 GB/s on 2 threads of
-an AMD EPYC with AVX-512 for 0.5-38 MB float32 weights, about as fast as a copy of the same
-bytes; 12 GB/s on 2 threads of a Xeon with AMX (28 tensors of 0.25-8 MB), where a plain sum of
-the same words runs at 23 GB/s: there the multiplies bound it.
+(and the partial sums are added in Python: numpy's reductions of a few values cost 1.9 us).
+The loop is a vectorisable multiply-add over uint32 lanes (AVX2's ``vpmulld``, two per word):
+20-47 GB/s on 2 threads of an AMD EPYC with AVX-512 for 0.5-38 MB float32 weights, about as fast
+as a copy of the same bytes; 12 GB/s on 2 threads of a Xeon with AMX (28 tensors of 0.25-8 MB),
+where a plain sum of the same words runs at 23 GB/s: there the multiplies bound it.
 """
 from __future__ import annotations
 
