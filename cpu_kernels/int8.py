@@ -494,22 +494,32 @@ def accumulator_dtype(w_kind: str) -> torch.dtype:
     return torch.float32 if w_kind == "float" and engine in _PREPACKED else torch.int32
 
 
-def _gemm(qx: torch.Tensor, qw: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
-    """``qx @ qw.T``, returned as the accumulator it wrote: ``acc`` (int32 ``[M, N]``), or a
-    prepacked engine's new float32 tensor holding the int32 sums' float32 values.  Through the
-    prepacked engine where this file quantized and packed ``qw`` for it (only where the
-    profile chose that engine: its codes then fit the engine's 16-bit pair sums; a lookup, no
-    profile read per call), else ``torch._int_mm`` where it is
-    exact (``fxbackend.cpu.int_mm_exact``), else a float64 product (exact; an int8 weight the
-    plan did not quantize on a CPU whose int8 kernels saturate)."""
+def _gemm(qx: torch.Tensor, qw: torch.Tensor, acc: torch.Tensor | None) -> torch.Tensor:
+    """``qx @ qw.T``, returned as the accumulator it wrote: ``acc`` (int32 ``[M, N]``; a new one
+    where None), or a prepacked engine's new float32 tensor holding the int32 sums' float32
+    values.  Through the prepacked engine where this file quantized and packed ``qw`` for it
+    (only where the profile chose that engine: its codes then fit the engine's 16-bit pair
+    sums; a lookup, no profile read per call), else ``torch._int_mm`` where it is exact
+    (``fxbackend.cpu.int_mm_exact``), else a float64 product (exact; an int8 weight the plan
+    did not quantize on a CPU whose int8 kernels saturate)."""
     held = _packed.get(id(qw))
     if held is not None and held[0]() is qw:
         return _PREPACKED[held[1]][1](qx, held[2])
+    if acc is None:  # a step planned for a prepacked engine (``_gemm_writes_acc``)
+        acc = torch.empty(qx.shape[0], qw.shape[0], dtype=torch.int32, device=qx.device)
     if int_mm_exact():
         torch._int_mm(qx, qw.t(), out=acc)
     else:  # saturating int8 kernels (no VNNI): the references' exact product, slowly
         acc.copy_(int_dot(qx, qw))
     return acc
+
+
+def _gemm_writes_acc(w_kind: str) -> bool:
+    """Whether :func:`_gemm` writes the int32 accumulator it is given for a weight of
+    ``w_kind`` under this process's profile: not for a float weight the plan prepacks for a
+    prepacked engine (a new float32 tensor comes back), so fused steps reserve no space for
+    it (6.45 MB of workspace in the small W8A8 Flux on an AVX2-only EPYC)."""
+    return accumulator_dtype(w_kind) == torch.int32
 
 
 def _quantize_weight(w: torch.Tensor, group: int, w_i8: torch.Tensor,
@@ -549,7 +559,8 @@ def _compile_epilogue(m, n, bias_dtype, out_dtype, device, w_kind="int8") -> Non
 DEVICE = Int8Device(quantize_rows=quantize_rows_cpu, gemm=_gemm, epilogue=_epilogue_rows,
                     why_not_quantize=_why_not_quantize, why_not_linear=linear_why_not,
                     compile_quantize=_compile_quantize, compile_epilogue=_compile_epilogue,
-                    quantize_weight=_quantize_weight, between=_check_cancelled)
+                    quantize_weight=_quantize_weight, between=_check_cancelled,
+                    gemm_writes_acc=_gemm_writes_acc)
 #: ``sd.quantize_i8_convrot.v1``: the numba kernel (contiguous x, any K divisible by the group)
 quantize_kernel = fxbackend.register_kernel("cpu", QuantizeKernel(DEVICE,
                                                                   "quantize_i8_convrot_cpu"))

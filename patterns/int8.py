@@ -694,6 +694,10 @@ class Int8Device:
     #: ``()``, called between the phases of a step (after the operands are quantized, after
     #: the GEMM): the CPU's raises ``services.Cancelled`` when the running plan was cancelled
     between: Callable = lambda: None
+    #: ``(w_kind) -> bool``: plan time, whether ``gemm`` writes the int32 accumulator it is
+    #: given for a weight of ``w_kind`` (False: it returns a new tensor, so a fused step
+    #: reserves no accumulator space and passes ``acc=None``; the CPU's prepacked engines)
+    gemm_writes_acc: Callable = lambda w_kind: True
 
 
 def quantize_packed(dev: Int8Device, x, group: int, packed, m: int, k: int) -> None:

@@ -493,7 +493,9 @@ class Int8EpilogueFusion:
       the float operands are the rule's to compile);
     - ``run(acc, x_scale, w_scale, bias, out, *operands, **args)``: the epilogue from the int32
       accumulator ``acc [M, N]`` (the output's own storage when ``spec.acc_in_out`` and the
-      output is contiguous float32, else workspace) into ``out``;
+      output is contiguous float32, else workspace; none reserved where the device's GEMM
+      returns a new tensor, ``dev.gemm_writes_acc``) into ``out``, or from that new float32
+      tensor;
     - ``dtypes``: the chain dtypes it fuses (a 16-bit layer's chain: the cast after the linear
       rounds the linear's value, each operation rounds to that dtype, as the unfused steps
       do); ``strided_out``: out may have any row stride; ``capture_safe``.
@@ -540,10 +542,13 @@ class Int8EpilogueFusion:
     def _state(self, node) -> dict:
         ch = self.spec.find(node.annotations["fused"], 0)
         # the int32 accumulator fits in a contiguous float32 output's own storage
-        in_place = self.spec.acc_in_out and node.meta.is_contiguous and \
+        # no accumulator where the device's GEMM returns a new tensor (the CPU's prepacked
+        # engines); else in a contiguous float32 output's own storage, or in the workspace
+        acc = self.dev.gemm_writes_acc(ch["linear"].params["w_kind"])
+        in_place = acc and self.spec.acc_in_out and node.meta.is_contiguous and \
             ch["dtype"] == torch.float32
-        st = _linear_state(ch["linear"], ch["srcs"], acc_in_workspace=not in_place)
-        return dict(st, linear=ch["linear"], srcs=ch["srcs"], in_place=in_place,
+        st = _linear_state(ch["linear"], ch["srcs"], acc_in_workspace=acc and not in_place)
+        return dict(st, linear=ch["linear"], srcs=ch["srcs"], in_place=in_place, acc=acc,
                     operands=ch["operands"], args=ch["args"], y=_y_meta(ch))
 
     def compile(self, node) -> None:
@@ -563,7 +568,9 @@ class Int8EpilogueFusion:
         value = dict(zip(node.srcs, inputs))
         qx, xs, qw, ws, bias = _linear_operands(self.dev, st, st["srcs"], value, workspace)
         M, N = st["M"], st["N"]
-        if st["in_place"] and not any(_overlaps(out, t) for t in inputs):
+        if not st["acc"]:
+            acc = None
+        elif st["in_place"] and not any(_overlaps(out, t) for t in inputs):
             acc = out.view(torch.int32).view(M, N)
         elif not st["in_place"]:
             acc = _acc_view(st, workspace)

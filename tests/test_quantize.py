@@ -201,7 +201,7 @@ def test_the_prepacked_engines_give_the_same_model_outputs(family, dtype, monkey
     model = fxbackend.models.build_model(family, "tiny", dtype=dtype)
     inputs = fxbackend.models.make_inputs(family, "tiny", dtype=dtype)
     opts = {"quantize": "w8a8", "convrot_group": 16, "quantize_min_size": 0}
-    outs, fused = {}, {}
+    outs, fused, workspace = {}, {}, {}
     for engine in ("onednn_linear", "quantized_linear"):
         monkeypatch.setattr(cpu, "onednn_linear_available", lambda e=engine: e == "onednn_linear")
         monkeypatch.setattr(cpu_int8, "_engines", {})
@@ -212,6 +212,20 @@ def test_the_prepacked_engines_give_the_same_model_outputs(family, dtype, monkey
             outs[engine] = fxbackend.models.run_eager(
                 torch.compile(model, backend="fxbackend", options=opts), inputs)[0]
         fused[engine] = fxbackend.stats()["fusions_by_rule"]
+        workspace[engine] = fxbackend.stats()["workspace_bytes"]
+    # the engines return new tensors: no fused step reserves the int32 accumulator, which the
+    # same plan under ``torch._int_mm`` (the AMX class) keeps in its workspace
+    monkeypatch.setenv("FXB_CPU_PROFILE", "amx")
+    monkeypatch.setattr(cpu_int8, "_engines", {})
+    assert fxbackend.cpu_profile().decide("int8_gemm").choice == "int_mm"
+    torch._dynamo.reset()
+    fxbackend.reset_stats()
+    with torch.no_grad():
+        fxbackend.models.run_eager(torch.compile(model, backend="fxbackend", options=opts),
+                                   inputs)
+    assert fxbackend.stats()["fusions_by_rule"] == fused["onednn_linear"]
+    assert workspace["onednn_linear"] == workspace["quantized_linear"] < \
+        fxbackend.stats()["workspace_bytes"]
     assert fused["onednn_linear"] == fused["quantized_linear"]
     assert sum(fused["onednn_linear"].get(r, 0) for r in (
         "int8_gated_residual", "int8_linear_act_quantize", "int8_linear_act",
