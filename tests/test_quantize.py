@@ -213,17 +213,16 @@ def test_the_prepacked_engines_give_the_same_model_outputs(family, dtype, monkey
                 torch.compile(model, backend="fxbackend", options=opts), inputs)[0]
         fused[engine] = fxbackend.stats()["fusions_by_rule"]
         workspace[engine] = fxbackend.stats()["workspace_bytes"]
-    # the engines return new tensors: no fused step reserves the int32 accumulator, which the
-    # same plan under ``torch._int_mm`` (the AMX class) keeps in its workspace
-    monkeypatch.setenv("FXB_CPU_PROFILE", "amx")
-    monkeypatch.setattr(cpu_int8, "_engines", {})
-    assert fxbackend.cpu_profile().decide("int8_gemm").choice == "int_mm"
+    # the engines return new tensors: no fused step reserves the int32 accumulator, which a
+    # GEMM writing its accumulator (``torch._int_mm``) has in the step's workspace
+    monkeypatch.setattr(cpu_int8.DEVICE, "gemm_writes_acc", lambda w_kind: True)
     torch._dynamo.reset()
     fxbackend.reset_stats()
     with torch.no_grad():
-        fxbackend.models.run_eager(torch.compile(model, backend="fxbackend", options=opts),
-                                   inputs)
+        reserved = fxbackend.models.run_eager(
+            torch.compile(model, backend="fxbackend", options=opts), inputs)[0]
     assert fxbackend.stats()["fusions_by_rule"] == fused["onednn_linear"]
+    assert torch.equal(reserved, outs["quantized_linear"])
     assert workspace["onednn_linear"] == workspace["quantized_linear"] < \
         fxbackend.stats()["workspace_bytes"]
     assert fused["onednn_linear"] == fused["quantized_linear"]
