@@ -541,7 +541,6 @@ class Int8EpilogueFusion:
 
     def _state(self, node) -> dict:
         ch = self.spec.find(node.annotations["fused"], 0)
-        # the int32 accumulator fits in a contiguous float32 output's own storage
         # no accumulator where the device's GEMM returns a new tensor (the CPU's prepacked
         # engines); else in a contiguous float32 output's own storage, or in the workspace
         acc = self.dev.gemm_writes_acc(ch["linear"].params["w_kind"])
