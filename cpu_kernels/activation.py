@@ -7,7 +7,9 @@ Maths (float32 arithmetic; constants as torch's CPU kernels in
 ``aten/src/ATen/native/cpu/Activation.cpp`` / ``vec512_float.h`` use them; ``fma`` one
 rounding)::
 
-    gelu_tanh(x) = (0.5 * x) * (1 + tanh(kBeta * fma(0.044715 * (x * x), x, x)))
+    gelu_tanh(x) = x / (1 + exp(-2 z))                       float32 results
+                 = (0.5 * x) * (1 + tanh(z))                   16-bit results (torch's form)
+                   z = kBeta * fma(0.044715 * (x * x), x, x)
                    kBeta = float32(sqrt(2) * (2 / sqrt(pi)) * 0.5)
     gelu(x)      = (x * 0.5) * (1 + erf(x * float32(1 / sqrt(2))))
     silu(x)      = x / (1 + exp(-x))
@@ -17,6 +19,15 @@ rounding)::
 ``cpu_kernels/_vmath.py`` (Cephes ``expf``/``tanhf``, Abramowitz-Stegun 7.1.26 erf with the
 constants of torch's ``Vectorized<float>::erf``, so it tracks torch's result for the strided
 gate of GEGLU, which is not oneDNN's path), polynomials in FMA Horner form.
+
+The two tanh GELU forms are the same function: 0.5 (1 + tanh(z)) = 1 / (1 + exp(-2z)).  A
+float32 result takes the second, one exp and one division instead of tanh's two branches (the
+in-place pass over 1024 x 1536 float32, 2 threads: 0.93-0.95 ms against 1.24-1.43 ms), and
+without the cancellation of 1 + tanh(z) below x = -3, where torch's float32 result drops to 0
+and this one keeps its relative accuracy.  A 16-bit result keeps torch's form: the two round
+differently in the negative tail often enough (bf16: a third of the values on [-9, -2] alike)
+that a 16-bit model would no longer match eager bit for bit.  The kernels pick the form from
+the element type of the array the value is stored to (``_gelu_tanh_as``).
 
 torch's own results are not reproducible bit for bit (Sleef on full vectors, libm on the tail
 of each row); the differences are a few float32 ulp (measured by tests/test_activation.py,
@@ -62,7 +73,7 @@ from fxbackend.patterns.activation import (ACTS, LinearActFusion, LinearGluFusio
 
 from . import _numba, _vmath
 from . import rmsnorm as _rms
-from ._vmath import _erff, _expf, _fma, _silu, _tanhf  # noqa: F401 (_expf: int8 kernels)
+from ._vmath import _erff, _exp_normal, _expf, _fma, _silu, _tanhf  # noqa: F401 (_expf: int8 kernels)
 from .rmsnorm import _round_as
 from .rope import _NP_OF, _compile_lock, _flat, _load, _set_threads, _store
 
@@ -88,8 +99,37 @@ def _gelu_tanh(x):
     return (np.float32(0.5) * x) * (np.float32(1.0) + _tanhf(inner))
 
 
+def _gelu_tanh_exp(x):
+    """The tanh GELU as ``x / (1 + exp(-2z))`` (module docstring): float32 results only."""
+    z = _K_BETA * _fma(_K_KAPPA * (x * x), x, x)
+    # -2z clamped to _exp_normal's range: below -87, 1 + exp is 1 in float32; above 80 (x below
+    # about -9.4) the result is under 2e-34 |x|, a normal float where 88 could give subnormals
+    e = _exp_normal(min(max(np.float32(-2.0) * z, np.float32(-87.0)), np.float32(80.0)))
+    return x / (np.float32(1.0) + e)
+
+
 def _gelu_erf(x):
     return (x * np.float32(0.5)) * (np.float32(1.0) + _erff(x * _K_ALPHA))
+
+
+def _gelu_tanh_as(a, x):
+    """The tanh GELU of float32 ``x`` for a result of ``a``'s element type: jit only
+    (:func:`_gelu_tanh_exp` for float32, :func:`_gelu_tanh`, torch's form, for 16-bit)."""
+    raise NotImplementedError("_gelu_tanh_as is a numba helper: call it from a jitted kernel")
+
+
+def _gelu_tanh_by_type(a, x):
+    """:func:`_row_loops`' element function of the tanh GELU (``a``: the array the value is
+    stored to)."""
+    return _gelu_tanh_as(a, x)
+
+
+def _gelu_erf_by_type(a, x):
+    return _gelu_erf(x)
+
+
+def _silu_by_type(a, x):
+    return _silu(x)
 
 
 # -- kernels (one pair per activation, so that the loops have no dispatch; module-level
@@ -117,33 +157,33 @@ def _row_loops(act):
     def run(b, bias):
         if bias.size:
             for e in range(b.size):
-                _store(b, e, act(_load(b, e) + _load(bias, e)))
+                _store(b, e, act(b, _load(b, e) + _load(bias, e)))
         else:
             for e in range(b.size):
-                _store(b, e, act(_load(b, e)))
+                _store(b, e, act(b, _load(b, e)))
 
     def cast_run(y, bias, o):
         if bias.size:
             for e in range(o.size):
-                _store(o, e, act(_round_as(o, _load(y, e) + _load(bias, e))))
+                _store(o, e, act(o, _round_as(o, _load(y, e) + _load(bias, e))))
         else:
             for e in range(o.size):
-                _store(o, e, act(_round_as(o, _load(y, e))))
+                _store(o, e, act(o, _round_as(o, _load(y, e))))
 
     def glu_row(g, h, bg, bh, o, out):
         if bg.size:
             for j in range(o.size):
-                _store(o, j, _round_as(out, act(_load(g, j) + _load(bg, j)))
+                _store(o, j, _round_as(out, act(out, _load(g, j) + _load(bg, j)))
                        * (_load(h, j) + _load(bh, j)))
         else:
             for j in range(o.size):
-                _store(o, j, _round_as(out, act(_load(g, j))) * _load(h, j))
+                _store(o, j, _round_as(out, act(out, _load(g, j))) * _load(h, j))
     return run, cast_run, glu_row
 
 
-_gelu_tanh_run, _cast_gelu_tanh_run, _glu_gelu_tanh_row = _row_loops(_gelu_tanh)
-_gelu_run, _cast_gelu_run, _glu_gelu_row = _row_loops(_gelu_erf)
-_silu_run, _cast_silu_run, _glu_silu_row = _row_loops(_silu)
+_gelu_tanh_run, _cast_gelu_tanh_run, _glu_gelu_tanh_row = _row_loops(_gelu_tanh_by_type)
+_gelu_run, _cast_gelu_run, _glu_gelu_row = _row_loops(_gelu_erf_by_type)
+_silu_run, _cast_silu_run, _glu_silu_row = _row_loops(_silu_by_type)
 
 
 def _inplace_gelu_tanh(buf, bias, total, chunk, n, ld):
@@ -228,8 +268,20 @@ def _register_helpers(numba) -> None:
     # numba's IR, the in-place tanh GELU took 6.5 s to compile cold (1.1 s now) and ran no
     # faster (see _vmath for erf); the loops over rows are inlined there, so that LLVM sees the
     # slices' bounds
+    from numba import types
+    from numba.extending import overload
     register_jitable(_gelu_tanh)
+    register_jitable(_gelu_tanh_exp)
     register_jitable(_gelu_erf)
+
+    @overload(_gelu_tanh_as)
+    def _gelu_tanh_as_impl(a, x):
+        if a.dtype == types.float32:
+            return lambda a, x: _gelu_tanh_exp(x)
+        return lambda a, x: _gelu_tanh(x)
+
+    for fn in (_gelu_tanh_by_type, _gelu_erf_by_type, _silu_by_type):
+        register_jitable(fn)
     for fn in (_task_rows, _gelu_tanh_run, _gelu_run, _silu_run, _glu_gelu_tanh_row,
                _glu_gelu_row, _glu_silu_row, _cast_gelu_tanh_run, _cast_gelu_run,
                _cast_silu_run):

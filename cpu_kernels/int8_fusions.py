@@ -15,7 +15,7 @@ compile with ``reassoc``):
 - ``rms_norm_quantize``: ``cpu_kernels/rmsnorm.py``'s ``_inv_rms`` and ``_normed``;
 - ``int8_gated_residual``: ``cpu_kernels/int8.py``'s epilogue formula and
   ``cpu_kernels/gated_residual.py``'s ``_row_unit``/``_row_strided``;
-- ``act_quantize``: ``cpu_kernels/activation.py``'s ``_gelu_tanh``, ``_gelu_erf``, ``_silu`` and
+- ``act_quantize``: ``cpu_kernels/activation.py``'s ``_gelu_tanh_as``, ``_gelu_erf``, ``_silu`` and
   ``_expf`` (sigmoid here: ``1 / (1 + exp(-x))`` with that ``_expf``).
 
 Maths.  ``int8_gated_residual``, per output row r (b, s) and feature n, after
@@ -103,7 +103,7 @@ from . import int8 as _i8
 from . import modulation as _mod
 from . import rmsnorm as _rms
 from ._vmath import _expf, _silu
-from .activation import _gelu_erf, _gelu_tanh
+from .activation import _gelu_erf, _gelu_tanh_as
 from .gated_residual import _row_strided, _row_unit
 from .int8 import _quantize_row
 from .modulation import _load_row, _modulate, _row_offsets, _row_stats
@@ -158,7 +158,7 @@ def _activate(x, xv, d, act):
     """``xv = round_T(act(xv))`` in place (T: x's element type); one loop per activation."""
     if act == 1:
         for e in range(d):
-            xv[e] = _round_as(x, _gelu_tanh(xv[e]))
+            xv[e] = _round_as(x, _gelu_tanh_as(x, xv[e]))
     elif act == 2:
         for e in range(d):
             xv[e] = _round_as(x, _gelu_erf(xv[e]))
