@@ -73,7 +73,8 @@ from fxbackend.patterns.activation import (ACTS, LinearActFusion, LinearGluFusio
 
 from . import _numba, _vmath
 from . import rmsnorm as _rms
-from ._vmath import _erff, _exp_normal, _expf, _fma, _silu, _tanhf  # noqa: F401 (_expf: int8 kernels)
+from ._vmath import (_erff, _exp_normal, _expf, _fma, _silu,  # noqa: F401 (_expf: int8 kernels)
+                     _tanhf)
 from .rmsnorm import _round_as
 from .rope import _NP_OF, _compile_lock, _flat, _load, _set_threads, _store
 
@@ -118,17 +119,14 @@ def _gelu_tanh_as(a, x):
     raise NotImplementedError("_gelu_tanh_as is a numba helper: call it from a jitted kernel")
 
 
-def _gelu_tanh_by_type(a, x):
-    """:func:`_row_loops`' element function of the tanh GELU (``a``: the array the value is
-    stored to)."""
-    return _gelu_tanh_as(a, x)
-
-
 def _gelu_erf_by_type(a, x):
+    """:func:`_gelu_erf` as an element function of :func:`_row_loops` (one form for every
+    type)."""
     return _gelu_erf(x)
 
 
 def _silu_by_type(a, x):
+    """:func:`_vmath._silu` as an element function of :func:`_row_loops`."""
     return _silu(x)
 
 
@@ -146,8 +144,9 @@ def _task_rows(t, total, chunk, n, ld):
 
 
 def _row_loops(act):
-    """``(run, cast_run, glu_row)`` for the element function ``act``, inlined into the kernels
-    in numba's IR: ``run(b, bias)`` activates the slice ``b`` in place (plus ``bias``, or the
+    """``(run, cast_run, glu_row)`` for the element function ``act(a, v)`` (the activation of
+    float32 ``v`` for a result stored to an array of ``a``'s element type), inlined into the
+    kernels in numba's IR: ``run(b, bias)`` activates the slice ``b`` in place (plus ``bias``, or the
     empty bias); ``cast_run(y, bias, o)`` writes ``act`` of the float32 slice ``y`` (plus
     ``bias``) rounded to ``o``'s type into ``o``;
     ``glu_row(g, h, bg, bh, o, out)`` writes the GLU row ``o`` of ``out`` from the gate half
@@ -181,7 +180,7 @@ def _row_loops(act):
     return run, cast_run, glu_row
 
 
-_gelu_tanh_run, _cast_gelu_tanh_run, _glu_gelu_tanh_row = _row_loops(_gelu_tanh_by_type)
+_gelu_tanh_run, _cast_gelu_tanh_run, _glu_gelu_tanh_row = _row_loops(_gelu_tanh_as)
 _gelu_run, _cast_gelu_run, _glu_gelu_row = _row_loops(_gelu_erf_by_type)
 _silu_run, _cast_silu_run, _glu_silu_row = _row_loops(_silu_by_type)
 
@@ -280,7 +279,7 @@ def _register_helpers(numba) -> None:
             return lambda a, x: _gelu_tanh_exp(x)
         return lambda a, x: _gelu_tanh(x)
 
-    for fn in (_gelu_tanh_by_type, _gelu_erf_by_type, _silu_by_type):
+    for fn in (_gelu_erf_by_type, _silu_by_type):
         register_jitable(fn)
     for fn in (_task_rows, _gelu_tanh_run, _gelu_run, _silu_run, _glu_gelu_tanh_row,
                _glu_gelu_row, _glu_silu_row, _cast_gelu_tanh_run, _cast_gelu_run,
