@@ -146,8 +146,8 @@ def _task_rows(t, total, chunk, n, ld):
 def _row_loops(act):
     """``(run, cast_run, glu_row)`` for the element function ``act(a, v)`` (the activation of
     float32 ``v`` for a result stored to an array of ``a``'s element type), inlined into the
-    kernels in numba's IR: ``run(b, bias)`` activates the slice ``b`` in place (plus ``bias``, or the
-    empty bias); ``cast_run(y, bias, o)`` writes ``act`` of the float32 slice ``y`` (plus
+    kernels in numba's IR: ``run(b, bias)`` activates the slice ``b`` in place (plus ``bias``,
+    or the empty bias); ``cast_run(y, bias, o)`` writes ``act`` of the float32 slice ``y`` (plus
     ``bias``) rounded to ``o``'s type into ``o``;
     ``glu_row(g, h, bg, bh, o, out)`` writes the GLU row ``o`` of ``out`` from the gate half
     ``g`` and the other half ``h`` (plus their bias halves ``bg``/``bh``, or empty ones).  The
