@@ -43,6 +43,10 @@ AVX2_LIMITS := FXB_TEST_CPU_PROFILE=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU
 	$(AVX2_NUMBA) MKL_ENABLE_INSTRUCTIONS=AVX2
 
 test test-avx2: export OMP_WAIT_POLICY := $(TEST_OMP_WAIT_POLICY)
+# no kernel compile worker processes (cpu_kernels/_workers.py) unless asked for: the test
+# processes keep every core busy already (4 compile-heavy test files on 2 cores, empty kernel
+# cache: 148 s without, 154 s with); tests/test_compile_workers.py starts its own
+test test-avx2: export FXB_COMPILE_PROCESSES := $(or $(FXB_COMPILE_PROCESSES),0)
 
 test: $(STAMP)
 	$(VPY) -m pytest -q -x -p no:cacheprovider -n $(TEST_WORKERS) --maxprocesses 4 \

@@ -72,6 +72,7 @@ from fxbackend.patterns.activation import (ACTS, LinearActFusion, LinearGluFusio
                                            movable_bias)
 
 from . import _numba, _vmath
+from ._workers import compiles
 from . import rmsnorm as _rms
 from ._vmath import (_erff, _exp_normal, _expf, _fma, _silu,  # noqa: F401 (_expf: int8 kernels)
                      _tanhf)
@@ -441,6 +442,7 @@ def why_not(x: Any, w: Any, bias: Any, out_dtype: Any, act: Any, gated: Any) -> 
         return f"metadata not understood ({type(exc).__name__}: {exc})"
 
 
+@compiles
 def compile_kernels(dtype: torch.dtype, act: str, gated: bool | None = None,
                     rounded: bool = False) -> None:
     """Compile (or load from the disk cache) the kernels for ``dtype`` and ``act`` by calls

@@ -74,6 +74,7 @@ from fxbackend.patterns.gated_residual import (DTYPES, EpilogueLayout, GatedResi
                                                epilogue_layout, epilogue_why_not)
 
 from . import _numba
+from ._workers import compiles
 from . import rmsnorm as _rms
 from .rmsnorm import _round_as
 from .rope import _NP_OF, _compile_lock, _flat, _load, _set_threads, _store
@@ -367,6 +368,7 @@ def _bias_why_not(bias: Any, y: torch.Tensor) -> str | None:
     return None
 
 
+@compiles
 def compile_kernels(dtype: torch.dtype, gate: torch.dtype | None = None,
                     residual: torch.dtype | None = None, out: torch.dtype | None = None) -> None:
     """Compile (or load from the disk cache) the kernel for y of ``dtype`` and gate, residual

@@ -53,6 +53,7 @@ from fxbackend.patterns.groupnorm import (GROUP_NORM_CL_OP, GroupNormOpKernel,
                                           memory_format_of)
 
 from . import _numba, _vmath
+from ._workers import compiles
 from . import rmsnorm as _rms
 from . import rope as _rope
 from ._vmath import _fma, _silu
@@ -300,14 +301,21 @@ def group_norm_silu_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 
 def compile_kernels(x_dtype: torch.dtype, w_dtype: torch.dtype, b_dtype: torch.dtype) -> None:
-    """Compile (or load from the disk cache) the kernel for these dtypes (layout and SiLU are
-    run-time arguments) by a call with no groups.  Thread-safe."""
-    kernels = _jit()
+    """Compile (or load from the disk cache) the kernels of both layouts for these dtypes (SiLU
+    is a run-time argument), each by a call with no groups.  Thread-safe."""
+    for layout in range(len(_jit())):
+        _compile_layout(layout, x_dtype, w_dtype, b_dtype)
+
+
+@compiles
+def _compile_layout(layout: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
+                    b_dtype: torch.dtype) -> None:
+    """:func:`compile_kernels` for one layout (the index of its kernel in ``_jit()``): one
+    kernel per call, so that a plan's threads compile the two side by side."""
+    fn = _jit()[layout]
     with _compile_lock:  # see rope's compile_kernels
-        for fn in kernels:
-            fn(np.zeros(1, _NP_OF[x_dtype]), np.zeros(1, _NP_OF[w_dtype]),
-               np.zeros(1, _NP_OF[b_dtype]), np.zeros(1, _NP_OF[x_dtype]), 0, 1, 1, 1, 1e-5,
-               True)
+        fn(np.zeros(1, _NP_OF[x_dtype]), np.zeros(1, _NP_OF[w_dtype]),
+           np.zeros(1, _NP_OF[b_dtype]), np.zeros(1, _NP_OF[x_dtype]), 0, 1, 1, 1, 1e-5, True)
 
 
 class GroupNormSiluCPU:

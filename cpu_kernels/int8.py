@@ -89,6 +89,7 @@ from fxbackend.patterns.int8 import (FLOATS, QMAX, REGULAR_HADAMARD_GROUPS, Int8
                                      quantize_weight_i8_reference, run_linear, scales_why_not)
 
 from . import _numba
+from ._workers import compiles
 from . import rope as _rope
 from .rope import _NP_OF, _compile_lock, _flat, _load, _set_threads, _store
 
@@ -306,6 +307,7 @@ def _build(numba) -> tuple:
 _jit = _numba.once(globals(), _build, requires=(_rope._register,))
 
 
+@compiles
 def compile_kernels(x_dtype: torch.dtype | None = torch.float32,
                     bias_dtype: torch.dtype | None = None, epilogue: bool = True,
                     out_dtype: torch.dtype = torch.float32,

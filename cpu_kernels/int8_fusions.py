@@ -97,6 +97,7 @@ from fxbackend.patterns.int8_fusions import (ACT_IDS, PRE_ACTS, SCALE_OPS, Fused
 from fxbackend.patterns.rmsnorm import rms_norm_out_dtype
 
 from . import _numba
+from ._workers import compiles
 from . import activation as _act
 from . import gated_residual as _gr
 from . import int8 as _i8
@@ -812,6 +813,7 @@ def act_quantize_cpu(x: torch.Tensor, other: torch.Tensor | None = None,
     return out
 
 
+@compiles
 def compile_kernels(kind: str, dtype: torch.dtype | None, other_dtype=None,
                     acc_dtype: torch.dtype = torch.int32) -> None:
     """Compile (or load from the disk cache) one kernel of this file by a call with no rows on

@@ -46,6 +46,7 @@ import fxbackend
 from fxbackend.patterns.modulation import NORMS, ModulationFusion, dtypes_why_not
 
 from . import _numba
+from ._workers import compiles
 from . import rmsnorm as _rms
 from .rmsnorm import _round_as
 from .rope import _NP_OF, _compile_lock, _flat, _load, _set_threads, _store, _why_not_metas
@@ -268,6 +269,7 @@ def modulation_cpu(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
     return out
 
 
+@compiles
 def compile_kernels(dtype: torch.dtype, scale_dtype: torch.dtype | None = None,
                     out_dtype: torch.dtype | None = None) -> None:
     """Compile (or load from the disk cache) the kernel for x of ``dtype``, scale and shift of

@@ -47,6 +47,7 @@ from fxbackend.patterns.rmsnorm import rms_norm_out_dtype
 from fxbackend.patterns.rope import RmsRopeFusion
 
 from . import _numba
+from ._workers import compiles
 from . import rmsnorm as _rms
 from . import rope as _rope
 from .rmsnorm import _inv_rms, _normed, _round_as
@@ -189,6 +190,7 @@ def rms_rope_cpu(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: 
     return out
 
 
+@compiles
 def compile_kernels(x_dtype: torch.dtype, w_dtype: torch.dtype, cos_dtype: torch.dtype,
                     sin_dtype: torch.dtype, out_dtype: torch.dtype,
                     tn_dtype: torch.dtype | None = None) -> None:

@@ -43,6 +43,7 @@ import fxbackend
 from fxbackend.patterns.rmsnorm import rms_norm_out_dtype
 
 from . import _numba
+from ._workers import compiles
 from . import rope as _rope
 from .rope import (_NP_OF, _bcast_offsets, _compile_lock, _flat, _load, _round_as,
                    _set_threads, _store, _why_not_metas)
@@ -217,6 +218,7 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     return out
 
 
+@compiles
 def compile_kernels(x_dtype: torch.dtype, w_dtype: torch.dtype | None,
                     out_dtype: torch.dtype | None = None) -> None:
     """Compile (or load from the disk cache) the kernel for these dtypes (``w_dtype`` None: no

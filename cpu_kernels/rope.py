@@ -65,6 +65,7 @@ import fxbackend
 from fxbackend.patterns.rope import ROUNDINGS
 
 from . import _numba
+from ._workers import compiles
 from ._numba import numba_cache_dir
 
 __all__ = ["RopeApplyCPU", "rope_apply_cpu", "numba_cache_dir", "compile_kernels"]
@@ -610,6 +611,7 @@ def rope_apply_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: 
     return out
 
 
+@compiles
 def compile_kernels(x_dtype: torch.dtype, cos_dtype: torch.dtype,
                     sin_dtype: torch.dtype) -> None:
     """Compile (or load from the disk cache) the kernel for these dtypes (both modes: the mode

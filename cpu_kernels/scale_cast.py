@@ -21,6 +21,7 @@ import fxbackend
 from fxbackend.patterns.scale_cast import ScaleCastFusion, is_dense
 
 from . import _numba
+from ._workers import compiles
 from . import rmsnorm as _rms
 from .rmsnorm import _round_as
 from .rope import _NP_OF, _compile_lock, _flat, _load, _set_threads, _store
@@ -84,6 +85,7 @@ def scale_cast_cpu(x: torch.Tensor, c: float, out: torch.Tensor) -> torch.Tensor
     return out
 
 
+@compiles
 def compile_kernels(x_dtype: torch.dtype, out_dtype: torch.dtype) -> None:
     fn = _jit()
     with _compile_lock:

@@ -19,6 +19,7 @@ import concurrent.futures
 import dataclasses
 import sys
 import time
+from collections import Counter
 from typing import Any, Callable
 
 import torch
@@ -479,6 +480,16 @@ def compile_kernels(st: PlanState) -> None:
             fn = getattr(owner, "compile", None)
             if callable(fn):
                 jobs.append((fn, n))
+    # every owner's first node first: the nodes of one kernel mostly share what they compile
+    # and wait for one another, while distinct kernels compile side by side (numba's cold
+    # kernels in worker processes: cpu_kernels/_workers.py)
+    rank: Counter = Counter()
+    order = []
+    for i, (fn, n) in enumerate(jobs):
+        owner = getattr(fn, "__func__", fn)
+        order.append((rank[owner], i))
+        rank[owner] += 1
+    jobs = [jobs[i] for _, i in sorted(order)]
     run_on_passing_threads([lambda fn=fn, n=n: fn(n) for fn, n in jobs])
 
 

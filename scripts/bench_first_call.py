@@ -9,7 +9,9 @@ backend="fxbackend")``: Dynamo, the plan and the kernels it compiles or loads, a
 ``TRITON_CACHE_DIR`` in a new temporary folder: every kernel compiles); ``--cache DIR`` uses
 ``DIR`` for every child, e.g. one filled by ``python -m fxbackend precompile`` with the same
 ``NUMBA_CACHE_DIR``.  Prints the CPU profile, then one line per model: seconds, and how many
-kernels numba compiled and saved to the cache in that call.
+kernels numba compiled and saved to the cache in that call (in the process or its compile
+workers: ``FXB_COMPILE_PROCESSES``, ``cpu_kernels/_workers.py``) and how many of the kernels'
+compile calls ran in a worker.
 
 Run (from the repository root)::
 
@@ -27,25 +29,24 @@ import sys
 import tempfile
 
 _CHILD = """
-import json, sys, time, torch, fxbackend
-from numba.core import caching
+import json, os, sys, time, torch, fxbackend
 from fxbackend import models
+from fxbackend.cpu_kernels import _workers
 family, dtype, options = sys.argv[1], getattr(torch, sys.argv[2]), json.loads(sys.argv[3])
-saved = []
-real = caching.Cache.save_overload
-def save(self, sig, data):
-    saved.append(self._name)
-    return real(self, sig, data)
-caching.Cache.save_overload = save
+def saved():  # numba's compiled kernels in the cache folder, by this process or its workers
+    return {os.path.join(d, n) for d, _, names in os.walk(os.environ["NUMBA_CACHE_DIR"])
+            for n in names if n.endswith(".nbc")}
 model = models.build_model(family, "small", dtype=dtype)
 inputs = models.make_inputs(family, "small", dtype=dtype)
 fxbackend.warm_up("cpu")
+before = saved()
 compiled = torch.compile(model, backend="fxbackend", options=options)
 with torch.no_grad():
     t0 = time.perf_counter()
     compiled(**inputs)
     first = time.perf_counter() - t0
-print(json.dumps({"first_call_s": first, "kernels_compiled": len(saved)}))
+print(json.dumps({"first_call_s": first, "kernels_compiled": len(saved() - before),
+                  "in_workers": _workers.counts()["workers"]}))
 """
 
 
@@ -80,7 +81,8 @@ def main(argv=None) -> int:
             continue
         got = json.loads(run.stdout.strip().splitlines()[-1])
         print(f"{name}: first call {got['first_call_s']:.1f} s, kernels compiled "
-              f"{got['kernels_compiled']} (cache: {args.cache})", flush=True)
+              f"{got['kernels_compiled']} ({got['in_workers']} compile calls in worker "
+              f"processes; cache: {args.cache})", flush=True)
     return 0
 
 
