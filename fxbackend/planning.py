@@ -480,9 +480,9 @@ def compile_kernels(st: PlanState) -> None:
             fn = getattr(owner, "compile", None)
             if callable(fn):
                 jobs.append((fn, n))
-    # every owner's first node first: the nodes of one kernel mostly share what they compile
-    # and wait for one another, while distinct kernels compile side by side (numba's cold
-    # kernels in worker processes: cpu_kernels/_workers.py)
+    # every owner's first node first: the nodes of one kernel mostly compile the same thing
+    # (done once), so the threads start on distinct kernels, which compile side by side
+    # (numba's cold kernels in worker processes: cpu_kernels/_workers.py)
     rank: Counter = Counter()
     order = []
     for i, (fn, n) in enumerate(jobs):
