@@ -17,8 +17,9 @@ says the same call completed with this cache folder, numba version and target CP
 the others go to a worker (an idle one, a new one up to :func:`max_workers`, else the first
 to finish); without workers, or when a worker cannot be started or fails (a warning, once per
 process), the call runs here, after the slot's (numba's lock), so results never depend on the
-workers.  Two threads with the same cold call: the second waits for the first.  The first cold
-call starts a worker at once, so that it is ready for the next.  numba keeps one index file per
+workers.  Two threads with the same cold call: the second returns at once (the first completes
+it before the plan's compile pass ends).  The first cold call starts a worker at once, so that
+it is ready for the next.  numba keeps one index file per
 kernel function, rewritten whole by each save: two processes saving signatures of one function
 at the same instant can lose one entry, and that signature then compiles again where it is
 next used (a slower first use, never a wrong kernel).
@@ -187,7 +188,8 @@ class _Worker:
                                      close_fds=True)
 
     def call(self, request: tuple) -> str | None:
-        """Run one request; None when it completed, else why not (the worker is then gone)."""
+        """Run one request; None when it completed, else why not: the error the request raised
+        in the worker, or the worker's failure (it is then closed)."""
         try:
             data = pickle.dumps(request)
             self.proc.stdin.write(struct.pack("<Q", len(data)) + data)
