@@ -141,19 +141,17 @@ def compiles(fn: Callable[..., None]) -> Callable[..., None]:
             if os.path.exists(marker):
                 fn(*args, **kwargs)
                 kind = "warm"
+            elif _slot.acquire(blocking=False):
+                try:
+                    _prestart()  # a worker gets ready for the next cold call meanwhile
+                    fn(*args, **kwargs)
+                finally:
+                    _slot.release()
+                kind = "here"
             else:
-                workers = max_workers() > 0
-                mine = workers and _slot.acquire(blocking=False)
-                kind = "workers" if workers and not mine and _in_worker(fn, args, kwargs) \
-                    else "here"
+                kind = "workers" if _in_worker(fn, args, kwargs) else "here"
                 if kind == "here":
-                    if mine:
-                        _prestart()  # a worker gets ready for the next cold call meanwhile
-                    try:
-                        fn(*args, **kwargs)
-                    finally:
-                        if mine:
-                            _slot.release()
+                    fn(*args, **kwargs)  # after the slot's call (numba's lock)
             _mark(marker)
             with _state:
                 _done.add(key)
@@ -246,7 +244,7 @@ def _prestart() -> None:
     of a compile pass: the next is likely to want one)."""
     global _starting
     with _state:
-        if _live or _starting or _warned:
+        if _live or _starting or _warned or max_workers() == 0:
             return
         _starting += 1
 
