@@ -101,23 +101,25 @@ def prune_old_caches(path: str, now: float | None = None) -> None:
 def import_numba():
     """Import numba with a writable cache dir: unless the user set ``NUMBA_CACHE_DIR``, it is
     set (before the import) to :func:`numba_cache_dir` (not site-packages, which may be
-    read-only), or a per-user temporary folder when that cannot be created."""
-    if not os.environ.get("NUMBA_CACHE_DIR"):
-        path = numba_cache_dir()
-        try:
-            os.makedirs(path, exist_ok=True)
-        except OSError:
-            path = os.path.join(tempfile.gettempdir(), f"fxbackend-numba-{os.getuid()}",
-                                sources_digest())
-            os.makedirs(path, exist_ok=True)
-        prune_old_caches(path)
-        os.environ["NUMBA_CACHE_DIR"] = path
-        if "numba" in sys.modules:  # imported by someone else before: its config is already read
-            sys.modules["numba"].config.CACHE_DIR = path
-    import numba
-    if numba.config.CPU_FEATURES is None:
-        numba.config.CPU_FEATURES = wide_vector_features()
-    return numba
+    read-only), or a per-user temporary folder when that cannot be created.  Thread-safe: a
+    second thread waits for the first's set-up (it would otherwise find numba half-imported)."""
+    with _lock:
+        if not os.environ.get("NUMBA_CACHE_DIR"):
+            path = numba_cache_dir()
+            try:
+                os.makedirs(path, exist_ok=True)
+            except OSError:
+                path = os.path.join(tempfile.gettempdir(), f"fxbackend-numba-{os.getuid()}",
+                                    sources_digest())
+                os.makedirs(path, exist_ok=True)
+            prune_old_caches(path)
+            os.environ["NUMBA_CACHE_DIR"] = path
+            if "numba" in sys.modules:  # imported before: its config is already read
+                sys.modules["numba"].config.CACHE_DIR = path
+        import numba
+        if numba.config.CPU_FEATURES is None:
+            numba.config.CPU_FEATURES = wide_vector_features()
+        return numba
 
 
 def wide_vector_features() -> str | None:

@@ -120,3 +120,28 @@ def test_worker_count_from_the_environment_and_the_threads(monkeypatch):
         assert _workers.max_workers() == 0
     finally:
         torch.set_num_threads(keep)
+
+
+def test_threads_importing_numba_at_once_all_get_it(tmp_path):
+    """The compile pass's threads reach ``import_numba`` together (a marker's lookup needs
+    numba's cache folder): none may find numba half-imported."""
+    code = ("import sys, threading\n"
+            "from fxbackend.cpu_kernels import _numba\n"
+            "assert 'numba' not in sys.modules\n"
+            "gate, errors = threading.Barrier(8), []\n"
+            "def run():\n"
+            "    gate.wait()\n"
+            "    try:\n"
+            "        _numba.import_numba()\n"
+            "    except Exception as e:\n"
+            "        errors.append(repr(e))\n"
+            "threads = [threading.Thread(target=run) for _ in range(8)]\n"
+            "[t.start() for t in threads]\n"
+            "[t.join() for t in threads]\n"
+            "print(errors)\n")
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))
+    env.pop("NUMBA_CACHE_DIR", None)
+    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().splitlines()[-1] == "[]"
