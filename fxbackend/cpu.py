@@ -9,6 +9,7 @@ class is made here, from :func:`cpu_profile`, and shown in the plan report with 
 The profile holds:
 - ``isa``: torch's ``torch.backends.cpu.get_cpu_capability()`` (``AVX2``, ``AVX512``, ...);
 - ``features``: the CPU flags that matter (:data:`FEATURES`), read from ``/proc/cpuinfo``;
+- ``vendor``: ``/proc/cpuinfo``'s ``vendor_id`` (MKL picks its code path by vendor);
 - ``threads``: ``torch.get_num_threads()``;
 - ``probes``: measured speeds where the features do not settle a choice (below).
 
@@ -17,6 +18,7 @@ The profile holds:
 can be made, shown and tested on any host.  Under an override no probe runs (a probe measures
 the real CPU, which the override does not describe): a choice the class's features do not
 settle takes the class's conservative answer (float32, not the fast path that may crawl).
+A class names no vendor: under an override the vendor is ``unknown``.
 The override changes decisions only; to run the kernels with narrower vectors too, also set
 ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 NUMBA_CPU_NAME=haswell``.
 
@@ -46,8 +48,10 @@ Decisions (:meth:`CpuProfile.decide`), each a :class:`Decision` with its reason:
 - ``float32_gemm``: how float32 linears (``addmm``/``mm`` of a transposed weight, and the
   GEMMs of the fused linear chains) compute: ``native`` (``torch.addmm``: MKL on x86-64
   builds) or ``onednn`` (oneDNN's linear on the plain weight, read every call: no derived
-  copy), taken where the probe measures oneDNN's at least :data:`MARGIN` faster (MKL runs no
-  faster than its AVX2 kernels on some CPUs with AVX-512).  Without probes: ``native``.
+  copy), taken where the probe measures oneDNN's at least :data:`MARGIN` faster, and on AMD
+  CPUs with AVX-512 unless the probe measures it :data:`MARGIN` slower (MKL, which picks its
+  code path by vendor, runs no AVX-512 code there; oneDNN's linear does).  Otherwise, and
+  without probes or vendor (an override, ``FXB_CPU_PROBES=0`` on another vendor): ``native``.
 - ``bfloat16`` / ``float16``: how 16-bit GEMMs and convolutions compute: ``native`` where the
   CPU has the 16-bit dot products (AVX-512 BF16 or AMX-BF16; AVX-512 FP16 or AMX-FP16) or the
   probe measures the 16-bit op faster than the float32 op plus the casts; otherwise ``float32``:
@@ -139,6 +143,9 @@ class CpuProfile:
     model: str
     source: str
     probes_enabled: bool = True
+    #: ``/proc/cpuinfo``'s ``vendor_id`` (``"AuthenticAMD"``, ``"GenuineIntel"``), or
+    #: ``"unknown"`` (another OS, or an override: a class names features, not a vendor)
+    vendor: str = "unknown"
 
     @property
     def overridden(self) -> bool:
@@ -166,8 +173,9 @@ class CpuProfile:
     def summary(self) -> str:
         """One line: the class, ISA, features and threads."""
         feats = " ".join(f for f in FEATURES if f in self.features) or "none of note"
-        return (f"cpu profile ({self.source}): {self.model}, ISA {self.isa}, {self.threads} "
-                f"thread(s), features: {feats}")
+        vendor = "" if self.vendor == "unknown" else f" ({self.vendor})"
+        return (f"cpu profile ({self.source}): {self.model}{vendor}, ISA {self.isa}, "
+                f"{self.threads} thread(s), features: {feats}")
 
     def report_lines(self) -> list[str]:
         """The summary (with when and under what load the probes were measured, where they
@@ -219,9 +227,23 @@ def _decide(p: CpuProfile, name: str) -> Decision:
 
 
 
+#: the vendor whose CPUs with AVX-512 get oneDNN's float32 linear without a probe's margin:
+#: MKL (torch.addmm's GEMM on x86-64 builds) picks its code path by vendor, and on AMD CPUs
+#: with AVX-512 names no AVX-512 path (``MKL_VERBOSE=1``: "Intel(R) Architecture processors"
+#: on a Zen 4 EPYC) where oneDNN's linear runs its AVX-512 kernels (``brg_matmul:avx512_core``)
+_ONEDNN_VENDOR = "AuthenticAMD"
+
+
 def _decide_float32_gemm(p: CpuProfile) -> Decision:
     name = "float32_gemm"
     speed = p.probes().get("float32_onednn_speedup")
+    measured = "" if speed is None else f"; measured {speed:.2f}x torch.addmm"
+    if p.vendor == _ONEDNN_VENDOR and p.has("avx512f") and \
+            onednn_float32_linear_available() and (speed is None or speed * MARGIN >= 1):
+        # the probe measured 1.04-1.15x on a Zen 4 EPYC (small SD3 1.05x faster, small Flux
+        # level), 2.16x on a Zen 5 one (docs/BENCHMARKS.md)
+        return Decision(name, "onednn", f"float32 linears through oneDNN's: MKL runs no "
+                                        f"AVX-512 code on {p.vendor} CPUs{measured}")
     if speed is None:
         return Decision(name, "native", "torch.addmm (no probe measured oneDNN's linear)")
     if speed >= MARGIN and onednn_float32_linear_available():
@@ -361,11 +383,11 @@ def _decide_w8a8_layers(p: CpuProfile) -> Decision:
                     f"saves less than the {W8A8_LAYER_COST_S * 1e3:.1f} ms a W8A8 layer adds")
 
 
-def _cpuinfo() -> tuple[frozenset, str]:
-    """The CPU's flags among :data:`FEATURES` and its model name, from ``/proc/cpuinfo``
-    (empty and ``"unknown CPU"`` elsewhere)."""
+def _cpuinfo() -> tuple[frozenset, str, str]:
+    """The CPU's flags among :data:`FEATURES`, its model name and its vendor, from
+    ``/proc/cpuinfo`` (empty, ``"unknown CPU"`` and ``"unknown"`` elsewhere)."""
     flags: set = set()
-    model = "unknown CPU"
+    model, vendor = "unknown CPU", "unknown"
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -375,11 +397,13 @@ def _cpuinfo() -> tuple[frozenset, str]:
                     flags = set(value.split())
                 elif key == "model name" and model == "unknown CPU":
                     model = value.strip()
-                if flags and model != "unknown CPU":
+                elif key == "vendor_id" and vendor == "unknown":
+                    vendor = value.strip() or "unknown"
+                if flags and model != "unknown CPU" and vendor != "unknown":
                     break
     except OSError:
         pass
-    return frozenset(f for f in FEATURES if f in flags), model
+    return frozenset(f for f in FEATURES if f in flags), model, vendor
 
 
 def _isa() -> str:
@@ -400,7 +424,7 @@ def cpu_profile() -> CpuProfile:
 
 @functools.lru_cache(maxsize=None)
 def _profile(override: str, probes: bool, threads: int) -> CpuProfile:
-    features, model = _cpuinfo()
+    features, model, vendor = _cpuinfo()
     isa = _isa()
     if override:
         if override not in CLASSES:
@@ -410,7 +434,7 @@ def _profile(override: str, probes: bool, threads: int) -> CpuProfile:
                           f"FXB_CPU_PROFILE={override}", probes)
     if isa in ("AVX2", "DEFAULT"):  # torch limited to AVX2 (ATEN_CPU_CAPABILITY): no 512-bit
         features = features - {f for f in features if f.startswith(("avx512", "amx"))}
-    return CpuProfile(isa, features, threads, model, "detected", probes)
+    return CpuProfile(isa, features, threads, model, "detected", probes, vendor)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -75,6 +75,15 @@ def test_the_detected_profile_reads_the_host():
     assert p.source == "detected"
     assert p.isa == torch.backends.cpu.get_cpu_capability()
     assert p.features <= set(cpu.FEATURES)
+    try:
+        with open("/proc/cpuinfo") as f:
+            vendors = [v.strip() for k, _, v in (line.partition(":") for line in f)
+                       if k.strip() == "vendor_id"]
+    except OSError:
+        vendors = []
+    assert p.vendor == (vendors[0] if vendors else "unknown")
+    if p.vendor != "unknown":
+        assert f"({p.vendor})" in p.summary()
     if p.isa == "AVX2":  # torch limited to AVX2: no 512-bit feature is claimed
         assert not any(f.startswith(("avx512", "amx")) for f in p.features)
     # a feature that settles a decision settles it without a probe

@@ -38,24 +38,54 @@ def probed(monkeypatch):
     return set_speed
 
 
+def _profile(vendor: str, cls: str = "avx512", probes: bool = True) -> cpu.CpuProfile:
+    """A detected profile of class ``cls`` from ``vendor`` (the probes: the fixture's)."""
+    return cpu.CpuProfile("AVX2" if cls == "avx2" else "AVX512", cpu.CLASSES[cls], 2,
+                          "test CPU", "detected", probes, vendor)
+
+
 @needs_onednn
+@pytest.mark.parametrize("vendor", ["GenuineIntel", "unknown"])
 @pytest.mark.parametrize("speed,want", [(2.2, "onednn"), (1.1, "native"), (0.6, "native")])
-def test_the_probe_decides(probed, speed, want):
+def test_the_probe_decides(probed, vendor, speed, want):
     probed(speed)
-    d = fxbackend.cpu_profile().decide("float32_gemm")
+    for cls in ("avx2", "avx512", "amx"):
+        d = _profile(vendor, cls).decide("float32_gemm")
+        assert d.choice == want and f"{speed:.2f}x" in d.reason
+    if speed != 1.1:  # the detected profile decides the same on any host at these figures
+        assert gemm.uses_onednn() == (want == "onednn")
+
+
+@needs_onednn
+@pytest.mark.parametrize("speed,want", [(2.2, "onednn"), (1.05, "onednn"), (0.9, "onednn"),
+                                        (0.6, "native")])
+def test_on_amd_with_avx512_onednn_unless_measured_slower(probed, speed, want):
+    # MKL runs no AVX-512 code on AMD CPUs: oneDNN's linear, unless the probe measures it
+    # slower than torch.addmm by the margin
+    probed(speed)
+    d = _profile("AuthenticAMD").decide("float32_gemm")
     assert d.choice == want and f"{speed:.2f}x" in d.reason
-    assert gemm.uses_onednn() == (want == "onednn")
+    if want == "onednn" and speed < cpu.MARGIN:
+        assert "AuthenticAMD" in d.reason
+    # without AVX-512 (MKL's AVX2 kernels are as wide as oneDNN's) the probe's margin holds
+    assert _profile("AuthenticAMD", "avx2").decide("float32_gemm").choice == \
+        ("onednn" if speed >= cpu.MARGIN else "native")
 
 
-def test_without_probes_or_with_an_override_torch_addmm_stays(monkeypatch):
+def test_without_probes_or_with_an_override_the_vendor_rule_alone(monkeypatch):
     monkeypatch.setattr(gemm, "_chosen", {})
-    for name in cpu.CLASSES:
+    for name in cpu.CLASSES:  # a class names features, not a vendor: no rule, no probe
         monkeypatch.setenv("FXB_CPU_PROFILE", name)
+        assert fxbackend.cpu_profile().vendor == "unknown"
         assert fxbackend.cpu_profile().decide("float32_gemm").choice == "native"
     monkeypatch.delenv("FXB_CPU_PROFILE")
-    monkeypatch.setenv("FXB_CPU_PROBES", "0")
-    assert fxbackend.cpu_profile().decide("float32_gemm").choice == "native"
-    assert not gemm.uses_onednn()
+    for vendor in ("GenuineIntel", "unknown"):
+        assert _profile(vendor, probes=False).decide("float32_gemm").choice == "native"
+    assert _profile("AuthenticAMD", "avx2", probes=False).decide("float32_gemm").choice == \
+        "native"
+    want = "onednn" if cpu.onednn_float32_linear_available() else "native"
+    d = _profile("AuthenticAMD", probes=False).decide("float32_gemm")
+    assert d.choice == want and "measured" not in d.reason
 
 
 def test_an_unavailable_onednn_is_never_chosen(probed, monkeypatch):
@@ -87,7 +117,7 @@ def test_gemm_into_declines_what_it_does_not_take(probed):
     assert not gemm.onednn_gemm_into(y, x, w.t(), None, beta=0.5)
     assert not gemm.onednn_gemm_into(y.double(), x.double(), w.double().t(), None)
     assert not gemm.onednn_gemm_into(y, x.t().contiguous().t(), w.t(), None)  # x strided
-    probed(1.0)
+    probed(0.5)  # the profile keeps torch.addmm (any vendor)
     assert not gemm.onednn_gemm_into(y, x, w.t(), None)
 
 
