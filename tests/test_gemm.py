@@ -167,3 +167,18 @@ def test_tiny_models_match_eager(probed, family):
         out = fxbackend.models.run_eager(torch.compile(model, backend="fxbackend"), inputs)[0]
     assert fxbackend.stats()["steps_by_kernel"].get("addmm_onednn_cpu", 0) > 0
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@needs_onednn
+def test_the_gemm_benchmark_runs_and_prints_the_profile():
+    import pathlib
+    import subprocess
+    import sys
+    script = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "bench_gemm.py"
+    out = subprocess.run([sys.executable, str(script), "--families", "flux", "--size", "tiny",
+                          "--rounds", "6", "--calls", "1", "--per-shape"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    assert out.startswith("# cpu profile (")
+    assert "# cpu decision float32_gemm: " in out
+    assert "[flux/tiny] addmm / onednn+copy: " in out and "ms per forward" in out
+    assert " x [" in out  # the per-shape lines
