@@ -18,7 +18,8 @@ kind (``_emit_<kind>``).  The kinds:
 - ``bind``: ``v = op(...)``, the op's own result (numbers known per call only, ops without
   metadata, results the caller gets and the op allocates anyway);
 - ``cached``: a weight-derived value, recomputed only when a weight key changes;
-- ``bound``: a native op whose result is used as it comes back (``PlanState.bound``);
+- ``bound``: a step whose result is used as it comes back (``PlanState.bound``): a native op's,
+  or an extension kernel's ``compute`` (the kernel returns a new tensor, no storage planned);
 - ``concat``: a concatenation whose parts were written in place (only the rest is copied);
 - ``owned``: a step writing storage it owns (planned, or allocated per call when returned):
   the copies of a step placed on the CPU; a kernel's (or a custom op's reference)
@@ -417,9 +418,16 @@ class StepWriter:
         self.count(n)
 
     def _emit_bound(self, n: Node) -> None:
+        self.count(n)
+        kernel = self.st.kernels[n]
+        if kernel is not registry.NATIVE:  # an extension kernel's ``compute``: one tensor
+            self.lines.append(self.extension_call(n, kernel, [self.src_of(s) for s in n.srcs],
+                                                  None, result=f"v{n.id}"))
+            self.expr[n] = Code(f"v{n.id}")
+            self.holders.setdefault((n.id, None), []).append(f"v{n.id}")
+            return
         a, kw = call_args(n, self.src_of, self.value_of)
         call = f"{self.const(n.target._op).src}({_args_src(a, kw)})"
-        self.count(n)
         if not isinstance(n.meta, tuple):
             self.lines.append(f"v{n.id} = {call}")
             self.expr[n] = Code(f"v{n.id}")
@@ -529,17 +537,24 @@ class StepWriter:
             return None
         return self.const(torch.tensor(v, dtype=m.dtype))
 
-    def extension_call(self, n: Node, kernel: Any, srcs: list, codes: list) -> str:
-        """``kernel.execute(ctx, node, state, inputs, out, workspace)`` for step ``n``,
-        preceded by the ``update_args`` watch where the kernel or its op has one."""
+    def extension_call(self, n: Node, kernel: Any, srcs: list, codes: list | None,
+                       result: str | None = None) -> str:
+        """``kernel.execute(ctx, node, state, inputs, out, workspace)`` for step ``n`` (``codes``
+        None: ``result = kernel.compute(ctx, node, state, inputs, workspace)``), preceded by
+        the ``update_args`` watch where the kernel or its op has one."""
         state = self.st.prepared.get(n)
         ctx = ExecContext(device_of(n))
         srcs = "[" + ", ".join(render(c) for c in srcs) + "]"
-        out = codes[0].src if len(codes) == 1 else "(" + ", ".join(c.src for c in codes) + ",)"
         ws = "_ws_aux" if n in self.aux_nodes else "_ws"
         const = self.const
-        call = (f"{const(kernel.execute).src}({const(ctx).src}, {const(n).src}, "
-                f"{const(state).src}, {srcs}, {out}, {ws})")
+        if codes is None:
+            call = (f"{result} = {const(kernel.compute).src}({const(ctx).src}, "
+                    f"{const(n).src}, {const(state).src}, {srcs}, {ws})")
+        else:
+            out = codes[0].src if len(codes) == 1 else \
+                "(" + ", ".join(c.src for c in codes) + ",)"
+            call = (f"{const(kernel.execute).src}({const(ctx).src}, {const(n).src}, "
+                    f"{const(state).src}, {srcs}, {out}, {ws})")
         from .ops import get_op
         owners = [o for o in (kernel, get_op(n.op)) if callable(getattr(o, "update_args", None))]
         if not owners:

@@ -377,9 +377,19 @@ def _bound_results(st: PlanState) -> set:
     ``native_layer_norm``: ``native.out_is_copy``; not ops with a ``FAST_OUT`` binding, e.g.
     relu's ``clamp_min(out=)``).  Their result is used as it comes back, allocated by the op
     per call: copying it into the arena would add a pass and save no memory (the op
-    allocates it either way).  The step function drops it after its last read."""
+    allocates it either way).  The step function drops it after its last read.
+
+    Extension kernels with the ``compute`` capability (``fxbackend.registry``: a library call
+    that allocates its result, e.g. oneDNN's float32 linear) are bound the same way: a single
+    tensor result, not a view or an in-place write; their result needs no storage and no copy
+    into it."""
     bound = set()
     for n, k in st.kernels.items():
+        if k is not registry.NATIVE and callable(getattr(k, "compute", None)) \
+                and n.view_of is None and n.inplace_of is None and not n.is_scalar \
+                and isinstance(n.meta, TensorMeta):
+            bound.add(n)
+            continue
         if k is registry.NATIVE and n.view_of is None and n.inplace_of is None \
                 and isinstance(n.target, torch._ops.OpOverload) and not n.is_scalar \
                 and n.meta is not None and n.op not in (*COPY_OPS, COPY_DEVICE_OP) \

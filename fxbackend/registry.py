@@ -13,6 +13,11 @@ A kernel is an object with:
 - ``preferred(node) -> bool`` (optional; None/absent: always preferred over native);
 - ``prepare(node) -> (state, workspace_bytes)`` (optional; plan time, metadata only);
 - ``execute(ctx, node, state, inputs, out, workspace)`` writes the result into ``out``;
+- ``compute(ctx, node, state, inputs, workspace) -> Tensor`` (optional): for a library call that
+  allocates its own result (no ``out=`` form), the result as a new tensor with exactly the
+  node's metadata (shape, strides, dtype, device), never a view of an input; the plan then
+  gives the step no storage and calls ``compute`` instead of ``execute`` (no copy into an
+  arena view), for single-output steps that are not views or in-place writes;
 - ``destroy(state)`` (optional), when the plan is dropped.
 """
 from __future__ import annotations

@@ -470,6 +470,65 @@ def _make(empty_strided, _wkey, _wcell, _wmark, _held, c0, c1, c2, c3, c4, c5, c
 # c9 = _AddressWatch(%2)""")
 
 
+class _NegateCompute(_NegateCPU):
+    """A CPU kernel of ``codegen.negate.v1`` returning its result (``compute``): the step is
+    bound, with no storage; ``execute`` is never called."""
+
+    name = "codegen_negate_compute"
+    priority = 1
+    calls = 0
+
+    def compute(self, ctx, node, state, inputs, workspace) -> torch.Tensor:
+        type(self).calls += 1
+        return torch.neg(inputs[0])
+
+    def execute(self, ctx, node, state, inputs, out, workspace) -> None:
+        raise AssertionError("a kernel with compute is not given storage")
+
+
+def test_bound_extension_kernel_computes_its_result(custom_ops):
+    # the kernel's compute result is the step's value (no arena view, no copy), behind its
+    # update_args watch: %1's is read by %2 and dropped after it, %3's returned as it comes back
+    kernel = fxbackend.register_kernel("cpu", _NegateCompute)
+    try:
+        b = GraphBuilder()
+        x = b.input(2, 3)
+        y = fxbackend.op_create(b.g, "codegen.negate.v1", [x])
+        z = b.op(aten.add.Tensor, y, x)
+        g = b.output(z, fxbackend.op_create(b.g, "codegen.negate.v1", [z]))
+        x_ = torch.randn(2, 3)
+        _NegateCompute.calls = 0
+        plan = _hand_plan(g, [x_], [torch.zeros(2, 3), torch.zeros(2, 3)])
+        assert _NegateCompute.calls == 2
+        golden = _golden(plan)
+        assert plan.memory.total_arena == 0 and {n.id for n in plan.state.bound} == {1, 3}
+    finally:
+        fxbackend.unregister_kernel("cpu", kernel)
+    assert_expected_inline(golden, """\
+# kinds: %0:input %1:bound %2:owned %3:bound
+def _make(empty_strided, _wkey, _wcell, _wmark, _held, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, _ws):
+    def run(args):
+        a0, = args
+        c3([a0]); v1 = c0(c1, c2, 'negate state', [a0], _ws)
+        v2 = empty_strided((2, 3), (3, 1), dtype=c4, device=c5)
+        c6(v1, a0, out=v2)
+        del v1
+        c10([v2]); v3 = c7(c8, c9, 'negate state', [v2], _ws)
+        return [v2, v3]
+    return run
+# c0 = _NegateCompute.compute
+# c1 = ExecContext(device=cpu)
+# c2 = node %1 (codegen.negate.v1)
+# c3 = _AddressWatch(%1)
+# c4 = torch.float32
+# c5 = device(type='cpu')
+# c6 = torch.add
+# c7 = _NegateCompute.compute
+# c8 = ExecContext(device=cpu)
+# c9 = node %3 (codegen.negate.v1)
+# c10 = _AddressWatch(%3)""")
+
+
 def test_owned_device_copies_of_a_step_placed_on_the_cpu(custom_ops):
     # with the CPU renamed (options device_type), the kernel-only op has no kernel on the
     # plan's device: it runs on the CPU between two placement copies
