@@ -46,7 +46,7 @@ from .memory import buffers_of
 from .native import call_args, out_overload
 from .services import CancelToken, running
 from .planning import COPY_DEVICE_OP, COPY_OPS, FAST_OUT, PlanState, device_of, keys_of, \
-    plan_device, read_indices
+    layout_matches, plan_device, read_indices
 
 __all__ = ["generate", "Generated", "Code", "render", "buffer_view", "derivation", "ExecContext"]
 
@@ -220,6 +220,31 @@ class _AddressWatch:
                 for cb in self.callbacks:
                     cb(self.node, self.state, inputs)
             self.last = ptrs
+
+
+class _Computed:
+    """Calls an extension kernel's ``compute`` and checks that the tensor it returns has the
+    step's metadata (shape, strides where a dimension has more than one element, dtype,
+    device): the plan reads the result through views and steps planned on that metadata, so a
+    result of another layout would give wrong values, not an error."""
+
+    __slots__ = ("compute", "node", "kernel")
+
+    def __init__(self, kernel: Any, node: Node) -> None:
+        self.compute, self.node, self.kernel = kernel.compute, node, kernel
+
+    def __call__(self, ctx, node, state, inputs, workspace) -> torch.Tensor:
+        t = self.compute(ctx, node, state, inputs, workspace)
+        m = self.node.meta
+        if not layout_matches(t, m) or t.dtype != m.dtype or t.device != m.device:
+            got = TensorMeta.of(t).short() if isinstance(t, torch.Tensor) else type(t).__name__
+            raise RuntimeError(
+                f"kernel {getattr(self.kernel, 'name', self.kernel)!r}: compute() for node "
+                f"%{self.node.id} ({self.node.op}) returned {got} with strides "
+                f"{tuple(t.stride()) if isinstance(t, torch.Tensor) else None}; expected "
+                f"{m.short()} with strides {tuple(m.stride)} (a new tensor of exactly the "
+                f"node's metadata)")
+        return t
 
 
 class StepWriter:
@@ -548,7 +573,7 @@ class StepWriter:
         ws = "_ws_aux" if n in self.aux_nodes else "_ws"
         const = self.const
         if codes is None:
-            call = (f"{result} = {const(kernel.compute).src}({const(ctx).src}, "
+            call = (f"{result} = {const(_Computed(kernel, n)).src}({const(ctx).src}, "
                     f"{const(n).src}, {const(state).src}, {srcs}, {ws})")
         else:
             out = codes[0].src if len(codes) == 1 else \

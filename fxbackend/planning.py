@@ -223,11 +223,16 @@ def meta_result_matches(st: PlanState, n: Node) -> bool:
     for t, m in pairs:
         if not isinstance(m, TensorMeta):
             continue
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(m.shape) or any(
-                size > 1 and got != expected
-                for size, got, expected in zip(m.shape, t.stride(), m.stride)):
+        if not layout_matches(t, m):
             return False
     return True
+
+
+def layout_matches(t: Any, m: TensorMeta) -> bool:
+    """``t`` is a tensor of ``m``'s shape and strides (those of dimensions of one element
+    aside)."""
+    return isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(m.shape) and all(
+        size <= 1 or got == expected for size, got, expected in zip(m.shape, t.stride(), m.stride))
 
 
 def writes_strided(st: PlanState, n: Node) -> bool:

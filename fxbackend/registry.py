@@ -17,7 +17,8 @@ A kernel is an object with:
   allocates its own result (no ``out=`` form), the result as a new tensor with exactly the
   node's metadata (shape, strides, dtype, device), never a view of an input; the plan then
   gives the step no storage and calls ``compute`` instead of ``execute`` (no copy into an
-  arena view), for single-output steps that are not views or in-place writes;
+  arena view), for single-output steps that are not views or in-place writes; a result of
+  other metadata is a RuntimeError naming the kernel and the node (checked every call);
 - ``destroy(state)`` (optional), when the plan is dropped.
 """
 from __future__ import annotations

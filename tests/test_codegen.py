@@ -28,7 +28,7 @@ from expecttest import assert_expected_inline
 import fxbackend
 from fxbackend import TensorMeta
 from fxbackend import codegen
-from fxbackend.codegen import ExecContext, StepWriter, _AddressWatch, generate
+from fxbackend.codegen import ExecContext, StepWriter, _AddressWatch, _Computed, generate
 from fxbackend.native import out_overload
 from fxbackend.planning import FAST_OUT
 from fxbackend.services import CancelToken
@@ -97,6 +97,8 @@ def _describe(v: Any, plan: fxbackend.Plan, names: dict) -> str:
         return f"{type(v.__self__).__name__}.{v.__func__.__name__}"
     if isinstance(v, _AddressWatch):
         return f"_AddressWatch(%{v.node.id})"
+    if isinstance(v, _Computed):
+        return f"_Computed({type(v.kernel).__name__}.compute, %{v.node.id})"
     if isinstance(v, types.FunctionType):
         return v.__qualname__
     if isinstance(v, (float, str, torch.dtype, torch.device, ExecContext)) or v is None:
@@ -516,17 +518,38 @@ def _make(empty_strided, _wkey, _wcell, _wmark, _held, c0, c1, c2, c3, c4, c5, c
         c10([v2]); v3 = c7(c8, c9, 'negate state', [v2], _ws)
         return [v2, v3]
     return run
-# c0 = _NegateCompute.compute
+# c0 = _Computed(_NegateCompute.compute, %1)
 # c1 = ExecContext(device=cpu)
 # c2 = node %1 (codegen.negate.v1)
 # c3 = _AddressWatch(%1)
 # c4 = torch.float32
 # c5 = device(type='cpu')
 # c6 = torch.add
-# c7 = _NegateCompute.compute
+# c7 = _Computed(_NegateCompute.compute, %3)
 # c8 = ExecContext(device=cpu)
 # c9 = node %3 (codegen.negate.v1)
 # c10 = _AddressWatch(%3)""")
+
+
+class _NegateComputeTransposed(_NegateCompute):
+    """Breaks the ``compute`` contract: returns the result in another layout."""
+
+    name = "codegen_negate_compute_transposed"
+
+    def compute(self, ctx, node, state, inputs, workspace) -> torch.Tensor:
+        return torch.neg(inputs[0]).t().contiguous().t()
+
+
+def test_a_compute_result_of_other_metadata_is_an_error(custom_ops):
+    kernel = fxbackend.register_kernel("cpu", _NegateComputeTransposed)
+    try:
+        cg = fxbackend.CompiledGraph(_twice_negate(neg_only=True), fxbackend.parse_options(None))
+        with pytest.raises(RuntimeError, match=r"'codegen_negate_compute_transposed': compute\(\) "
+                           r"for node %1 \(codegen.negate.v1\) returned .* strides \(1, 2\); "
+                           r"expected .* strides \(3, 1\)"):
+            cg(torch.randn(2, 3))
+    finally:
+        fxbackend.unregister_kernel("cpu", kernel)
 
 
 def test_owned_device_copies_of_a_step_placed_on_the_cpu(custom_ops):
