@@ -45,8 +45,9 @@ from .lower import SYM_OPS
 from .memory import buffers_of
 from .native import call_args, out_overload
 from .services import CancelToken, running
+from .step_guards import _AddressWatch, _Computed
 from .planning import COPY_DEVICE_OP, COPY_OPS, FAST_OUT, PlanState, device_of, keys_of, \
-    layout_matches, plan_device, read_indices
+    plan_device, read_indices
 
 __all__ = ["generate", "Generated", "Code", "render", "buffer_view", "derivation", "ExecContext"]
 
@@ -203,48 +204,6 @@ class Generated:
     copies: int
     #: derivation id -> the cached step it describes
     cache_nodes: dict
-
-
-class _AddressWatch:
-    """Calls ``update_args(node, state, inputs)`` when a step's input addresses change."""
-
-    __slots__ = ("node", "state", "callbacks", "last")
-
-    def __init__(self, node: Node, state: Any, callbacks: list) -> None:
-        self.node, self.state, self.callbacks, self.last = node, state, callbacks, None
-
-    def __call__(self, inputs: list) -> None:
-        ptrs = tuple(t.data_ptr() for t in inputs)
-        if ptrs != self.last:
-            if self.last is not None:
-                for cb in self.callbacks:
-                    cb(self.node, self.state, inputs)
-            self.last = ptrs
-
-
-class _Computed:
-    """Calls an extension kernel's ``compute`` and checks that the tensor it returns has the
-    step's metadata (shape, strides where a dimension has more than one element, dtype,
-    device): the plan reads the result through views and steps planned on that metadata, so a
-    result of another layout would give wrong values, not an error."""
-
-    __slots__ = ("compute", "node", "kernel")
-
-    def __init__(self, kernel: Any, node: Node) -> None:
-        self.compute, self.node, self.kernel = kernel.compute, node, kernel
-
-    def __call__(self, ctx, node, state, inputs, workspace) -> torch.Tensor:
-        t = self.compute(ctx, node, state, inputs, workspace)
-        m = self.node.meta
-        if not layout_matches(t, m) or t.dtype != m.dtype or t.device != m.device:
-            got = TensorMeta.of(t).short() if isinstance(t, torch.Tensor) else type(t).__name__
-            raise RuntimeError(
-                f"kernel {getattr(self.kernel, 'name', self.kernel)!r}: compute() for node "
-                f"%{self.node.id} ({self.node.op}) returned {got} with strides "
-                f"{tuple(t.stride()) if isinstance(t, torch.Tensor) else None}; expected "
-                f"{m.short()} with strides {tuple(m.stride)} (a new tensor of exactly the "
-                f"node's metadata)")
-        return t
 
 
 class StepWriter:

@@ -28,7 +28,8 @@ from expecttest import assert_expected_inline
 import fxbackend
 from fxbackend import TensorMeta
 from fxbackend import codegen
-from fxbackend.codegen import ExecContext, StepWriter, _AddressWatch, _Computed, generate
+from fxbackend.codegen import ExecContext, StepWriter, generate
+from fxbackend.step_guards import _AddressWatch, _Computed
 from fxbackend.native import out_overload
 from fxbackend.planning import FAST_OUT
 from fxbackend.services import CancelToken
