@@ -62,9 +62,11 @@ Probes (:func:`run_probes`): a few small timed ops (well under a second in all),
 time the first time a decision needs them, never inside a call, and cached on disk per CPU model,
 feature set, torch version, thread count and the vector-limiting environment, in
 ``$XDG_CACHE_HOME/fxbackend/cpu/probes.json`` (default ``~/.cache/...``) next to the kernel
-cache; figures measured while the machine was busy (a 1-minute load average of a core's worth
-per core or more) are used by that process only, never saved.  The report's summary line says
-when and at what load the probes in use were measured.  ``FXB_CPU_PROBES=0`` turns them off
+cache.  Each figure is the median of :data:`PROBE_PASSES` passes (a burst of other work spoils
+one pass, not the figure); figures measured while the machine was busy (other processes took
+more CPU time during the probes than the cores this process leaves free, or a 1-minute load
+average of a core's worth per core or more) are used by that process only, never saved.  The
+report's summary line says when and at what load the probes in use were measured.  ``FXB_CPU_PROBES=0`` turns them off
 (undecided choices then take the conservative answer).
 """
 from __future__ import annotations
@@ -462,6 +464,48 @@ def probe_cache_path() -> str:
 BUSY_LOAD_PER_CORE = 1.0
 
 
+#: other processes' CPU time during the probes, in cores beyond those this process's threads
+#: leave free, from which the probes count as measured on a busy machine: one other busy
+#: process on 2 cores of an AMX Xeon took 0.5-0.7 of a core from them and moved the int8
+#: GEMM's figure from 3.5-3.9x float32 to 1.1x and oneDNN's float32 linear's from 0.9-1.0x to
+#: 0.3-2.8x; a quiet machine reads 0.00-0.04
+BUSY_OTHER_CORES = 0.25
+#: how many times the probes run; each figure is the median of its passes (0.1 s a pass there)
+PROBE_PASSES = 3
+
+
+def _cpu_seconds() -> tuple[float, float] | None:
+    """``(busy, own)``: CPU seconds since boot of all the machine's CPUs (the time the
+    hypervisor gave other machines included) and of this process, or None where the OS gives
+    no ``/proc/stat``."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:9]]
+        hz = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if len(ticks) < 8:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = ticks
+    t = os.times()
+    return (user + nice + system + irq + softirq + steal) / hz, t.user + t.system
+
+
+def _measure_passes(threads: int) -> tuple[dict, float | None]:
+    """The probes' figures, each the median of :data:`PROBE_PASSES` passes of :func:`_measure`,
+    and how many cores other processes took from this one's ``threads`` meanwhile (their CPU
+    time per second beyond the cores left free; None where :func:`_cpu_seconds` gives none)."""
+    before, start = _cpu_seconds(), time.perf_counter()
+    passes = [_measure() for _ in range(PROBE_PASSES)]
+    after, wall = _cpu_seconds(), time.perf_counter() - start
+    out = {k: sorted(p[k] for p in passes)[len(passes) // 2] for k in passes[0]}
+    if before is None or after is None or wall <= 0:
+        return out, None
+    others = ((after[0] - before[0]) - (after[1] - before[1])) / wall
+    free = max((os.cpu_count() or 1) - threads, 0)
+    return out, max(others - free, 0.0)
+
+
 def _load_per_core() -> float | None:
     """The 1-minute load average per core, or None where the OS does not give one."""
     try:
@@ -476,9 +520,11 @@ def _probe_note(entry: dict) -> str:
     if not entry:
         return ""
     note = f"; probes measured {entry.get('measured', '?')}"
-    load = entry.get("load_per_core")
+    load, others = entry.get("load_per_core"), entry.get("other_cores")
     if load is not None:
         note += f" at load {load:.2f} per core"
+    if others is not None:
+        note += f", {others:.2f} of a core taken by other processes"
     if entry.get("saved") is False:
         note += " (not saved: the machine was busy, measured again in the next process)"
     return note
@@ -517,7 +563,7 @@ def _best_seconds(candidate: Callable[[], object], rival: Callable[[], object], 
     return best
 
 
-_PROBE_VERSION = 7
+_PROBE_VERSION = 8
 #: the figures every cached entry must hold (an entry without one is measured again)
 _PROBED_KEYS = {"int_mm_speedup", "quantized_linear_speedup", "onednn_linear_speedup",
                 "bfloat16_mm_speedup",
@@ -586,9 +632,9 @@ def _measure() -> dict:
 
 def run_probes(p: CpuProfile) -> dict:
     """The probes for profile ``p`` (module docstring): from the disk cache, else measured now
-    and saved, unless the machine was busy (:data:`BUSY_LOAD_PER_CORE`): then this process
-    uses them and the next one measures again.  A cache that cannot be read or written is
-    measured around, never fatal."""
+    and saved, unless the machine was busy (:data:`BUSY_OTHER_CORES`,
+    :data:`BUSY_LOAD_PER_CORE`): then this process uses them and the next one measures again.
+    A cache that cannot be read or written is measured around, never fatal."""
     key = _key(p)
     with _probe_lock:
         if key in _probed:
@@ -602,12 +648,15 @@ def run_probes(p: CpuProfile) -> dict:
         entry = saved.get(key) if isinstance(saved, dict) else None
         if not isinstance(entry, dict) or not _PROBED_KEYS <= entry.keys():
             before = _load_per_core()
-            entry = _measure()
+            entry, others = _measure_passes(p.threads)
             entry["measured"] = time.strftime("%Y-%m-%d %H:%M:%S")
             loads = [x for x in (before, _load_per_core()) if x is not None]
             if loads:
                 entry["load_per_core"] = round(max(loads), 2)
-            busy = bool(loads) and max(loads) >= BUSY_LOAD_PER_CORE
+            if others is not None:
+                entry["other_cores"] = round(others, 2)
+            busy = (bool(loads) and max(loads) >= BUSY_LOAD_PER_CORE) or \
+                (others is not None and others >= BUSY_OTHER_CORES)
             if busy:
                 entry["saved"] = False
             else:

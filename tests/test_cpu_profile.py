@@ -242,7 +242,7 @@ def test_probes_are_measured_once_and_cached_on_disk(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu, "_load_per_core", lambda: 0.25)  # a quiet machine
     calls = []
     fake = _FAKE_PROBES
-    monkeypatch.setattr(cpu, "_measure", lambda: calls.append(1) or dict(fake))
+    monkeypatch.setattr(cpu, "_measure_passes", lambda threads: (calls.append(1) or dict(fake), None))
     p = _detected()
     first = cpu.run_probes(p)
     assert calls == [1] and first["int_mm_speedup"] == 0.5
@@ -255,7 +255,7 @@ def test_probes_are_measured_once_and_cached_on_disk(tmp_path, monkeypatch):
     assert calls == [1, 1]
     for var in cpu._LIMITS:  # another vector limit: measured again, under its own key
         monkeypatch.setattr(cpu, "_probed", {})
-        with monkeypatch.context() as m:  # (only the key reads it: _measure is a stand-in)
+        with monkeypatch.context() as m:  # (only the key reads it: the probes are a stand-in)
             m.setenv(var, os.environ.get(var, "") + "-other")
             cpu.run_probes(p)
         assert len(calls) == 2 + 1 + cpu._LIMITS.index(var)
@@ -272,7 +272,8 @@ def test_probes_measured_on_a_busy_machine_are_used_but_not_saved(tmp_path, monk
     readings = list(loads)
     monkeypatch.setattr(cpu, "_load_per_core", lambda: readings.pop(0) if readings else 0.1)
     calls = []
-    monkeypatch.setattr(cpu, "_measure", lambda: calls.append(1) or dict(_FAKE_PROBES))
+    monkeypatch.setattr(cpu, "_measure_passes",
+                        lambda threads: (calls.append(1) or dict(_FAKE_PROBES), None))
     p = _detected()
     got = cpu.run_probes(p)
     assert got["int_mm_speedup"] == 0.5 and got["saved"] is False
@@ -290,9 +291,65 @@ def test_probes_are_saved_where_the_os_gives_no_load_average(tmp_path, monkeypat
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(cpu, "_probed", {})
     monkeypatch.setattr(cpu, "_load_per_core", lambda: None)
-    monkeypatch.setattr(cpu, "_measure", lambda: dict(_FAKE_PROBES))
+    monkeypatch.setattr(cpu, "_measure_passes", lambda threads: (dict(_FAKE_PROBES), None))
     got = cpu.run_probes(_detected())
     assert "load_per_core" not in got and os.path.exists(cpu.probe_cache_path())
+
+
+def test_each_probe_figure_is_the_median_of_its_passes(monkeypatch):
+    """One pass spoilt by a burst of other work moves no figure; the other processes' CPU
+    time is counted per second of the probes, beyond the cores this process leaves free."""
+    passes = [{"a": 3.0, "b": 1.0}, {"a": 0.5, "b": 9.0}, {"a": 3.2, "b": 1.1}]
+    monkeypatch.setattr(cpu, "PROBE_PASSES", 3)
+    monkeypatch.setattr(cpu, "_measure", lambda: dict(passes.pop(0)))
+    readings = [(100.0, 10.0), (101.0, 10.5)]  # 1.0 s busy in all, 0.5 s of it this process's
+    monkeypatch.setattr(cpu, "_cpu_seconds", lambda: readings.pop(0))
+    clock = iter([0.0, 0.5])  # the probes' start and end; any later reading: the end
+    monkeypatch.setattr(cpu.time, "perf_counter", lambda: next(clock, 0.5))
+    monkeypatch.setattr(cpu.os, "cpu_count", lambda: 2)
+    got, others = cpu._measure_passes(threads=2)
+    assert got == {"a": 3.0, "b": 1.1}
+    assert others == pytest.approx(1.0)  # (1.0 - 0.5) / 0.5 s, no core left free
+
+
+def test_other_cores_count_beyond_the_free_ones(monkeypatch):
+    monkeypatch.setattr(cpu, "PROBE_PASSES", 1)
+    monkeypatch.setattr(cpu, "_measure", lambda: {"a": 1.0})
+    readings = [(0.0, 0.0), (8.0, 1.0)]  # others: 7 cores' worth over 1 s
+    monkeypatch.setattr(cpu, "_cpu_seconds", lambda: readings.pop(0))
+    clock = iter([0.0, 1.0])
+    monkeypatch.setattr(cpu.time, "perf_counter", lambda: next(clock, 1.0))
+    monkeypatch.setattr(cpu.os, "cpu_count", lambda: 8)
+    assert cpu._measure_passes(threads=2)[1] == pytest.approx(1.0)  # 6 cores were free
+
+
+@pytest.mark.parametrize("others", [0.3, 2.0])
+def test_probes_measured_while_other_processes_ran_are_used_but_not_saved(
+        tmp_path, monkeypatch, others):
+    """A quiet load average but other processes taking a quarter of a core or more during the
+    probes (the load average lags by a minute): used by this process, not saved."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu, "_probed", {})
+    monkeypatch.setattr(cpu, "_load_per_core", lambda: 0.1)
+    monkeypatch.setattr(cpu, "_measure_passes", lambda threads: (dict(_FAKE_PROBES), others))
+    p = _detected()
+    got = cpu.run_probes(p)
+    assert got["saved"] is False and got["other_cores"] == others
+    assert not os.path.exists(cpu.probe_cache_path())
+    assert f"{others:.2f} of a core taken by other processes" in p.report_lines()[0]
+    monkeypatch.setattr(cpu, "_probed", {})  # a new process, the others gone
+    monkeypatch.setattr(cpu, "_measure_passes", lambda threads: (dict(_FAKE_PROBES), 0.02))
+    again = cpu.run_probes(p)
+    assert "saved" not in again and os.path.exists(cpu.probe_cache_path())
+
+
+def test_cpu_seconds_reads_this_machine():
+    got = cpu._cpu_seconds()
+    if not os.path.exists("/proc/stat"):
+        assert got is None
+        return
+    busy, own = got
+    assert busy > 0 and 0 < own <= busy + 1.0
 
 
 def test_real_probes_are_quick_and_finite(tmp_path, monkeypatch):
