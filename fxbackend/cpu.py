@@ -66,8 +66,8 @@ cache.  Each figure is the median of :data:`PROBE_PASSES` passes (a burst of oth
 one pass, not the figure); figures measured while the machine was busy (other processes took
 more CPU time during the probes than the cores this process leaves free, or a 1-minute load
 average of a core's worth per core or more) are used by that process only, never saved.  The
-report's summary line says when and at what load the probes in use were measured.  ``FXB_CPU_PROBES=0`` turns them off
-(undecided choices then take the conservative answer).
+report's summary line says when and at what load the probes in use were measured.
+``FXB_CPU_PROBES=0`` turns them off (undecided choices then take the conservative answer).
 """
 from __future__ import annotations
 
