@@ -657,8 +657,9 @@ def selected_models(args):
 def main(args):
     """Run the benchmark described by ``args``; returns the JSON payload."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from benchstats import cpu_header
-    print(cpu_header())
+    from benchstats import cpu_header, source_commit
+    header = cpu_header()
+    print(header)
     t_start = time.perf_counter()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.threads:
@@ -669,7 +670,8 @@ def main(args):
 
     meta = {
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
-        "argv": sys.argv,
+        "argv": sys.argv, "commit": source_commit(),
+        "cpu_profile": [line[2:] for line in header.splitlines()],
         "torch": torch.__version__, "diffusers": diffusers.__version__,
         "python": platform.python_version(), "platform": platform.platform(),
         "device": str(device),
@@ -683,7 +685,8 @@ def main(args):
         "inductor_cache": CACHE_MODE, "inductor_cache_dir": CACHE_DIR,
         "models": [f"{f}/{s}" for f, s in keys],
     }
-    print(f"fxbackend bench: torch {torch.__version__}, device {device} ({meta['device_name']}), "
+    print(f"fxbackend bench (commit {meta['commit']}): torch {torch.__version__}, device {device} "
+          f"({meta['device_name']}), "
           f"dtype {args.dtype}, {torch.get_num_threads()} threads, repeat {args.repeat} after "
           f"{args.warmup} warm-up(s){', dynamic=True' if args.dynamic else ''}; "
           f"load average {meta['loadavg_start']} on {os.cpu_count()} CPUs")

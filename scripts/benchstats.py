@@ -5,6 +5,7 @@ through between rounds; a goal is judged on the median of those ratios with a di
 from __future__ import annotations
 
 import math
+import os
 import statistics
 
 
@@ -67,6 +68,24 @@ def goal_word(vs_eager: tuple, vs_inductor: tuple | None = None) -> str:
     if any(v is not None and v[0] == "too few rounds" for v in (vs_eager, vs_inductor)):
         return "undecided (fewer than 6 rounds)"
     return "met" if goal_met(vs_eager, vs_inductor) else "MISSED"
+
+
+def source_commit(path: str | None = None) -> str | None:
+    """The git commit of the checkout holding ``path`` (default: this script's), with
+    ``-dirty`` when tracked files differ from it; ``None`` outside a git checkout or without
+    git.  Saved in the ``--json`` files so a table's figures can be traced to their code."""
+    import subprocess
+    here = path or os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here,
+                              capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=here, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
 def cpu_header() -> str:

@@ -62,3 +62,23 @@ def test_describe_and_goal_met():
     assert not bench.goal_met(ahead, few) and not bench.goal_met(few)
     assert bench.goal_word(ahead, level) == "met" and bench.goal_word(level) == "MISSED"
     assert bench.goal_word(ahead, few).startswith("undecided")
+
+
+def test_source_commit_names_the_checkout(tmp_path):
+    import shutil
+    import subprocess
+    if shutil.which("git") is None:
+        assert bench.source_commit() is None
+        return
+    root = _PATH.parent.parent
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                          capture_output=True, text=True)
+    if head.returncode != 0:  # an exported tree, not a checkout
+        assert bench.source_commit() is None
+        return
+    got = bench.source_commit()
+    assert got.split("-")[0] == head.stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                           capture_output=True, text=True).stdout.strip()
+    assert got.endswith("-dirty") == bool(dirty)
+    assert bench.source_commit(str(tmp_path)) is None  # no checkout there
