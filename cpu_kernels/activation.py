@@ -290,10 +290,10 @@ def _register_helpers(numba) -> None:
 
 _register = _numba.once(globals(), _register_helpers,
                         requires=(_rms._register, _vmath.register))
-# error_model="numpy": no ZeroDivisionError check on the divisions (which are never by zero
-# here), without which LLVM does not vectorise the loops (5-10x slower)
+# (the kernel options' error_model="numpy": no ZeroDivisionError check on the divisions, without
+# which LLVM does not vectorise these loops: 5-10x slower)
 _KERNELS = {act: _numba.once(globals(), lambda numba, fns=fns: tuple(
-                _numba.njit(f, error_model="numpy") for f in fns), requires=(_register,))
+                _numba.njit(f) for f in fns), requires=(_register,))
             for act, fns in _PY_KERNELS.items()}
 
 

@@ -381,13 +381,9 @@ def _build(numba) -> dict:
         register_jitable(fn)
     _numba.inline(_epilogue_row, _task_rows, _scratch_rows)
     return dict(gr=_numba.njit(_i8_gr_kernel), mod=_numba.njit(_modq_kernel),
-                actq=_numba.njit(_i8_actq_kernel, error_model="numpy"),
-                gluq=_numba.njit(_i8_gluq_kernel, error_model="numpy"),
-                act=_numba.njit(_i8_act_kernel, error_model="numpy"),
-                rms=_numba.njit(_rmsq_kernel),
-                # error_model="numpy": no ZeroDivisionError checks in the activations' loops
-                # (their divisions are never by zero), which LLVM then vectorises
-                pre=_numba.njit(_preq_kernel, error_model="numpy"))
+                actq=_numba.njit(_i8_actq_kernel), gluq=_numba.njit(_i8_gluq_kernel),
+                act=_numba.njit(_i8_act_kernel), rms=_numba.njit(_rmsq_kernel),
+                pre=_numba.njit(_preq_kernel))
 
 
 #: the jitted kernels (created once; each compiles per dtype when first called).  The helper

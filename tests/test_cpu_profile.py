@@ -242,7 +242,8 @@ def test_probes_are_measured_once_and_cached_on_disk(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu, "_load_per_core", lambda: 0.25)  # a quiet machine
     calls = []
     fake = _FAKE_PROBES
-    monkeypatch.setattr(cpu, "_measure_passes", lambda threads: (calls.append(1) or dict(fake), None))
+    monkeypatch.setattr(cpu, "_measure_passes",
+                        lambda threads: (calls.append(1) or dict(fake), None))
     p = _detected()
     first = cpu.run_probes(p)
     assert calls == [1] and first["int_mm_speedup"] == 0.5
