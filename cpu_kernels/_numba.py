@@ -38,11 +38,12 @@ __all__ = ["numba_cache_dir", "sources_digest", "prune_old_caches", "import_numb
 
 #: the options of every kernel: parallel, cached on disk, strict IEEE float32 (no FMA
 #: contraction, no reordering: ``fastmath=False``), releasing the GIL, and IEEE division
-#: (``error_model="numpy"``: x / 0 gives inf or nan, as torch's kernels do, instead of raising
-#: ZeroDivisionError).  The last matters twice: without the zero check LLVM vectorises loops
-#: that divide (the activations: 5-10x), and the helpers a kernel calls (``register_jitable``,
-#: ``overload``) are compiled once per signature *and caller's flags*, so kernels that all share
-#: one error model share one compiled copy of each helper: with it on every kernel the first
+#: (``error_model="numpy"``: x / 0 gives inf or nan, as torch's kernels do; a ``prange`` body
+#: divided so already, the serial code around it raised ZeroDivisionError).  It matters twice:
+#: without the zero check LLVM vectorises loops that divide (the activations: 5-10x), and
+#: the helpers a kernel calls (``register_jitable``, ``overload``) are compiled once per
+#: signature *and caller's flags*, so kernels that all share one error model share one
+#: compiled copy of each helper: with it on every kernel the first
 #: call of small W8A8 Flux with an empty cache went from 24.5 to 20.7 s in one process (147 to
 #: 97 numba compilations), 16.0-16.3 to 14.4-14.5 s with the compile workers (2 threads of a
 #: Xeon with AMX; docs/BENCHMARKS.md, "One error model for every CPU kernel").

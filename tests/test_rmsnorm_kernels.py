@@ -161,6 +161,18 @@ def test_launcher_direct_call_and_empty_input():
     torch.testing.assert_close(out, rms_norm_reference(x, w, 1e-6), atol=1e-5, rtol=1e-5)
 
 
+def test_zero_row_with_zero_eps_gives_torchs_nan():
+    # eps = 0 is accepted; an all-zero row then divides by zero: IEEE (nan, as torch's
+    # x * rsqrt(0)), not an error
+    x = torch.randn(3, 8)
+    x[1] = 0
+    w = torch.randn(8)
+    out = cpu_rms.rms_norm_cpu(x, w, 0.0)
+    ref = rms_norm_reference(x, w, 0.0)
+    assert torch.isnan(ref[1]).all() and torch.isnan(out[1]).all()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
 @pytest.mark.parametrize("case, match", [
     ("x_float64", "x dtype torch.float64"),
     ("w_float64", "weight dtype torch.float64"),
