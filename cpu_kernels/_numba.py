@@ -43,10 +43,10 @@ __all__ = ["numba_cache_dir", "sources_digest", "prune_old_caches", "import_numb
 #: without the zero check LLVM vectorises loops that divide (the activations: 5-10x), and
 #: the helpers a kernel calls (``register_jitable``, ``overload``) are compiled once per
 #: signature *and caller's flags*, so kernels that all share one error model share one
-#: compiled copy of each helper: with it on every kernel the first
-#: call of small W8A8 Flux with an empty cache went from 24.5 to 20.7 s in one process (147 to
-#: 97 numba compilations), 16.0-16.3 to 14.4-14.5 s with the compile workers (2 threads of a
-#: Xeon with AMX; docs/BENCHMARKS.md, "One error model for every CPU kernel").
+#: compiled copy of each helper: with it on every kernel the first call of small W8A8 Flux
+#: with an empty cache went from 24.5 to 20.7 s in one process (147 to 97 numba
+#: compilations), 16.0-16.3 to 14.4-14.5 s with the compile workers (2 threads of a Xeon with
+#: AMX; docs/BENCHMARKS.md, "One error model for every CPU kernel").
 KERNEL_OPTIONS = dict(parallel=True, cache=True, fastmath=False, nogil=True,
                       error_model="numpy")
 

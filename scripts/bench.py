@@ -657,9 +657,8 @@ def selected_models(args):
 def main(args):
     """Run the benchmark described by ``args``; returns the JSON payload."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from benchstats import cpu_header, source_commit
-    header = cpu_header()
-    print(header)
+    from benchstats import cpu_header, cpu_lines, source_commit
+    print(cpu_header())
     t_start = time.perf_counter()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.threads:
@@ -671,7 +670,7 @@ def main(args):
     meta = {
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
         "argv": sys.argv, "commit": source_commit(),
-        "cpu_profile": [line[2:] for line in header.splitlines()],
+        "cpu_profile": cpu_lines(),
         "torch": torch.__version__, "diffusers": diffusers.__version__,
         "python": platform.python_version(), "platform": platform.platform(),
         "device": str(device),

@@ -92,5 +92,10 @@ def cpu_header() -> str:
     """The CPU profile the figures come from and the decisions taken from it
     (``fxbackend.cpu_profile()``): the first lines every benchmark prints, so a table says
     which CPU class it was measured on."""
+    return "\n".join("# " + line for line in cpu_lines())
+
+
+def cpu_lines() -> list[str]:
+    """The lines of :func:`cpu_header` without the comment marks (``--json`` files keep them)."""
     import fxbackend
-    return "\n".join("# " + line for line in fxbackend.cpu_profile().report_lines())
+    return list(fxbackend.cpu_profile().report_lines())
