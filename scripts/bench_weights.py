@@ -37,25 +37,6 @@ import time
 import torch
 
 
-def _profile_line() -> str:
-    import platform
-    model = platform.processor() or "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-        model = next(ln.split(":", 1)[1].strip() for ln in info.splitlines()
-                     if ln.startswith("model name"))
-        flags = next(ln.split(":", 1)[1].split() for ln in info.splitlines()
-                     if ln.startswith("flags"))
-        feats = [x for x in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16",
-                             "amx_int8", "avx_vnni") if x in flags]
-    except (OSError, StopIteration):
-        feats = []
-    return (f"CPU: {model}; torch {torch.__version__}, capability "
-            f"{torch.backends.cpu.get_cpu_capability()}, features {' '.join(feats) or '?'}, "
-            f"{torch.get_num_threads()} threads")
-
-
 def _options(pairs: list[str]) -> dict:
     out = {}
     for p in pairs:
@@ -207,7 +188,6 @@ def main() -> None:
     if args.memory_child:
         memory_child(args)
         return
-    print(_profile_line(), flush=True)
     if args.check:
         check(args)
     if args.freeze:

@@ -82,3 +82,21 @@ def test_source_commit_names_the_checkout(tmp_path):
                            capture_output=True, text=True).stdout.strip()
     assert got.endswith("-dirty") == bool(dirty)
     assert bench.source_commit(str(tmp_path)) is None  # no checkout there
+
+
+def test_every_benchmark_prints_the_cpu_profile():
+    """Each ``scripts/bench*.py`` prints :func:`cpu_header` (the CPU profile and the decisions
+    taken from it), so every table it gives says which CPU class it was measured on."""
+    import ast
+    scripts = [_PATH.parent / "bench.py", *sorted(_PATH.parent.glob("bench_*.py"))]
+    assert len(scripts) > 10
+    missing = []
+    for path in scripts:
+        calls = {n.func.id for n in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+        if "cpu_header" not in calls:
+            missing.append(path.name)
+    assert missing == []
+    header = bench.cpu_header().splitlines()
+    assert header[0].startswith("# cpu profile (")
+    assert any(line.startswith("# cpu decision ") for line in header)
