@@ -175,6 +175,20 @@ POINTWISE_OPS = frozenset(
         "sqrt.default", "pow.Tensor_Scalar", "where.self", "clamp.default"))
 
 
+#: views that set a lazy bit (conjugate, negative) on their result: the bytes are not its
+#: values, and a ``clone`` of such a view (``resolve_conj``, ``resolve_neg``) makes them so
+LAZY_BIT_VIEWS = frozenset({"aten._conj.default", "aten._neg_view.default"})
+
+
+def _has_lazy_bit(node: Node) -> bool:
+    """``node``'s value is (a view of) a conjugate or negative view (:data:`LAZY_BIT_VIEWS`)."""
+    while node is not None:
+        if node.op in LAZY_BIT_VIEWS:
+            return True
+        node = node.view_of
+    return False
+
+
 def elide_identity_clones(graph: Graph, metas: Callable[[Node], Any],
                           set_meta: Callable[[Node, Any], None] | None = None) -> int:
     """Remove clones that copy for nothing; returns how many.
@@ -187,7 +201,10 @@ def elide_identity_clones(graph: Graph, metas: Callable[[Node], Any],
       add the position embedding to a transposed convolution output, whose layout the sum
       takes, and then copy the sum into contiguous rows: the sum now writes the rows.
 
-    Clones handed back to the caller stay, as do clones of values written in place."""
+    Clones handed back to the caller stay, as do clones of values written in place and clones
+    of conjugate or negative views (:data:`LAZY_BIT_VIEWS`): those copies resolve the bit
+    (``view_as_real`` of an unresolved conjugate raises, a kernel reading the bytes would
+    see the values unconjugated)."""
     from .fusion import replace_uses_from
     written = _written_roots(graph)
     outputs = {o for o in graph.outputs if isinstance(o, Node)}
@@ -201,7 +218,7 @@ def elide_identity_clones(graph: Graph, metas: Callable[[Node], Any],
         if not isinstance(m, TensorMeta) or not isinstance(xm, TensorMeta) or m.is_symbolic \
                 or xm.is_symbolic or xm.shape != m.shape or xm.dtype != m.dtype \
                 or xm.device != m.device or storage_root(x) in written \
-                or (c, None) in written:
+                or (c, None) in written or _has_lazy_bit(x):
             continue
         if not any(n > 1 and a != b for n, a, b in zip(m.shape, m.stride, xm.stride)):
             pass  # already the clone's layout

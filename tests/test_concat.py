@@ -261,6 +261,50 @@ def test_identity_clones_elided_only_where_nothing_can_tell():
     assert a.srcs == [y] and b.srcs == [relaid] and cc.srcs == [of_input]
 
 
+def test_clones_that_resolve_a_conjugate_or_negative_view_stay():
+    g = Graph()
+    c64 = TensorMeta((4, 6), (6, 1), torch.complex64, CPU)
+    x = _input(g, c64)
+    conj = _op(g, "aten._conj.default", [x], c64, view_of=x)
+    row = _op(g, "aten.select.int", [conj], TensorMeta((6,), (1,), torch.complex64, CPU),
+              view_of=conj)  # a view of the conjugate view carries the bit too
+    resolved = _op(g, "aten.clone.default", [conj], c64)
+    resolved_row = _op(g, "aten.clone.default", [row], TensorMeta((6,), (1,), torch.complex64,
+                                                                     CPU))
+    y = _op(g, "aten.real.default", [x], tm(4, 6))
+    neg = _op(g, "aten._neg_view.default", [y], tm(4, 6), view_of=y)
+    resolved_neg = _op(g, "aten.clone.default", [neg], tm(4, 6))
+    plain = _op(g, "aten.clone.default", [y], tm(4, 6))  # the control: elided
+    outs = [_op(g, "aten.mul.Tensor", [n, n], n.meta)
+            for n in (resolved, resolved_row, resolved_neg, plain)]
+    g.outputs = outs
+    assert elide_identity_clones(g, lambda n: n.meta) == 1
+    assert [o.srcs[0] for o in outs] == [resolved, resolved_row, resolved_neg, y]
+
+
+@pytest.mark.parametrize("fn", [
+    lambda fr: torch.view_as_real(fr.conj().resolve_conj()) + 0,
+    lambda fr: torch.view_as_real(fr.conj().clone()).sum(-1),
+    lambda fr: torch._neg_view(fr.real).clone() * 2,
+], ids=["resolve_conj", "clone_of_conj", "resolve_neg"])
+def test_compiled_clones_of_lazy_bit_views_match_eager(fn, no_grad):
+    """A conjugate view's clone (``resolve_conj``) elided left ``view_as_real`` an
+    unresolved conjugate: a RuntimeError where eager runs."""
+    g = torch.Generator().manual_seed(0)
+    fr = torch.polar(torch.ones(7, 8), torch.randn(7, 8, generator=g))
+    _both(fn, fr)
+
+
+def test_complex_rope_with_conjugated_frequencies_matches_eager(no_grad):
+    def rope(x, freqs):
+        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * freqs.conj()).flatten(-2).type_as(x)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 7, 16, generator=g)
+    freqs = torch.polar(torch.ones(7, 8), torch.randn(7, 8, generator=g))
+    _both(rope, x, freqs, exact=False)
+
+
 # -- compiled functions ---------------------------------------------------------------------------
 
 def _both(fn, *args, exact=True):
