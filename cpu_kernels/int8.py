@@ -249,15 +249,6 @@ def _quantize_row(xr, b, qr, k, nst, inv):
     return scale
 
 
-def _quantize_into(xv, rb, q, scales, ru, ku, nst, inv):
-    """Packed row ``ru`` (``ku`` codes of ``q``) and its scale from the row ``xv`` (``rb``: the
-    rotation's scratch row).  Every kernel that quantizes a row calls this, never
-    ``_quantize_row`` itself: numba compiles a helper once per signature *and caller's flags*,
-    and a ``prange`` body's flags (the kernel's) differ from a helper's, so ``_quantize_row``
-    called from both compiled twice (0.4 s each, small W8A8 Flux with an empty cache)."""
-    scales[ru] = _quantize_row(xv, rb, q[ru * ku:(ru + _U1) * ku], ku, nst, inv)
-
-
 def _quantize_kernel(x, q, scales, m, mp, k, nst, inv, chunk):
     """Rows ``0 .. mp-1`` in parallel tasks of ``chunk`` rows, each task with one scratch row:
     rows below ``m`` quantized from ``x`` (flat, row-major ``[m, k]``), the rest zeros with
@@ -270,10 +261,10 @@ def _quantize_kernel(x, q, scales, m, mp, k, nst, inv, chunk):
         b = np.empty(k, np.float32)
         r0 = np.uint64(task) * cu
         for r in range(r0, min(r0 + cu, mpu)):
+            qr = q[r * ku:(r + _U1) * ku]
             if r < m:
-                _quantize_into(x[r * ku:(r + _U1) * ku], b, q, scales, r, ku, nst, inv)
+                scales[r] = _quantize_row(x[r * ku:(r + _U1) * ku], b, qr, ku, nst, inv)
             else:
-                qr = q[r * ku:(r + _U1) * ku]
                 for i in range(ku):
                     qr[i] = 0
                 scales[r] = _ZERO
@@ -308,7 +299,6 @@ def _build(numba) -> tuple:
     # process and shared by every kernel that quantizes a row, instead of typed again inside
     # each of them (see the compile-time note of cpu_kernels/int8_fusions.py)
     register_jitable(_quantize_row)
-    register_jitable(_quantize_into)
     _numba.inline(_butterfly, _stage_1, _stage_4, _stage)
     return _numba.njit(_quantize_kernel), _numba.njit(_epilogue_kernel)
 

@@ -70,15 +70,15 @@ bf16/fp16 pass as bits (int16/uint16) and convert in registers (``cpu_kernels/ro
 
 Compilation at plan time (``compile``), cached on disk (``cpu_kernels/_numba.py``): the cache is
 keyed on this file, so a change to a helper it inlines from another file (int8's
-``_quantize_into`` and ``_quantize_row``, modulation's or rmsnorm's statistics, the
-activations, rope's conversions) needs a change here or a cleared cache.  Compile time: the
-quantize step (int8's ``_quantize_into``, which calls ``_quantize_row``) and ``_activate`` are
-functions of their own, not inlined into numba's IR: each is then typed and compiled once per
-process and signature, where inlined each kernel typed its own copy again.  With an empty cache
-that took the first call of small Flux with W8A8 from 38.2 to 30.4 s and small UNet's from
-29.8 to 23.0 s (2 threads of an AMD EPYC with AVX-512; ``scripts/bench_first_call.py --cache
-empty --families flux,unet --dtypes float32 --w8a8``), and the kernels ran as fast as before
-(``scripts/bench_int8_fusions.py``: every fused step level or faster).
+``_quantize_row``, modulation's or rmsnorm's statistics, the activations, rope's conversions)
+needs a change here or a cleared cache.  Compile time: the quantize step (``_quantize_row``,
+through ``_quantize_into``) and ``_activate`` are functions of their own, not inlined into
+numba's IR: each is then typed and compiled once per process and signature, where inlined
+each kernel typed its own copy again.  With an empty cache that took the first call of small
+Flux with W8A8 from 38.2 to 30.4 s and small UNet's from 29.8 to 23.0 s (2 threads of an AMD
+EPYC with AVX-512; ``scripts/bench_first_call.py --cache empty --families flux,unet
+--dtypes float32 --w8a8``), and the kernels ran as fast as before (``scripts/
+bench_int8_fusions.py``: every fused step level or faster).
 """
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ from . import rmsnorm as _rms
 from ._vmath import _expf, _silu
 from .activation import _gelu_erf, _gelu_tanh_as
 from .gated_residual import _row_strided, _row_unit
-from .int8 import _quantize_into
+from .int8 import _quantize_row
 from .modulation import _load_row, _modulate, _row_offsets, _row_stats
 from .rmsnorm import _inv_rms, _normed, _round_as
 from .rope import (_NP_OF, _bcast_offsets, _compile_lock, _flat, _load, _set_threads,
@@ -147,6 +147,12 @@ def _epilogue_row(yv, ar, sx, ws, b, has_b, c):
     else:
         for e in range(c):
             _store(yv, e, (np.float32(ar[e]) * sx) * ws[e])
+
+
+def _quantize_into(xv, rb, q, scales, ru, ku, nst, inv):
+    """Packed row ``ru`` (``ku`` codes) and its scale from the float32 row ``xv`` (``rb``: the
+    rotation's scratch row)."""
+    scales[ru] = _quantize_row(xv, rb, q[ru * ku:(ru + np.uint64(1)) * ku], ku, nst, inv)
 
 
 def _activate(x, xv, d, act):
@@ -371,7 +377,7 @@ def _preq_kernel(x, o, q, scales, bt, d, xfs, ofs, act, has_o, scale, op, m, mp,
 
 def _build(numba) -> dict:
     from numba.extending import register_jitable
-    for fn in (_sigmoid, _zero_row, _tasks, _activate):
+    for fn in (_sigmoid, _zero_row, _tasks, _activate, _quantize_into):
         register_jitable(fn)
     _numba.inline(_epilogue_row, _task_rows, _scratch_rows)
     return dict(gr=_numba.njit(_i8_gr_kernel), mod=_numba.njit(_modq_kernel),
