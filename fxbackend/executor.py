@@ -226,6 +226,12 @@ class Plan:
         from .report import profile_report
         return profile_report(self, top)
 
+    def reset_profile(self) -> None:
+        """Forget the profiled calls so far (``options.profile``): a report after warm-up
+        calls then leaves out the first call's one-time work."""
+        self.step_seconds[:] = [0.0] * len(self.step_seconds)  # in place: the steps hold it
+        self.profiled_calls = 0
+
     def __call__(self, *args: Any) -> list:
         """Validate ``args`` against this plan's signature, then execute: the count, then
         ``inputs.check_inputs`` (the validator of ``concretize`` and of replayed plans) with
@@ -318,3 +324,8 @@ class CompiledGraph:
         if not plans:
             return f"{self.name}: no plan built yet"
         return "\n\n".join(p.profile_report(top) for p in plans)
+
+    def reset_profile(self) -> None:
+        """:meth:`Plan.reset_profile` of every plan this graph built."""
+        for p in self.all_plans():
+            p.reset_profile()

@@ -1,5 +1,6 @@
 """The statistics that decide the benchmarks' goals (scripts/benchstats.py): the
-distribution-free interval of a median and the ahead / level / behind verdict."""
+distribution-free interval of a median and the ahead / level / behind verdict; and what every
+benchmark prints first (the CPU profile), the side-by-side profile (scripts/profile_steps.py)."""
 from __future__ import annotations
 
 import importlib.util
@@ -7,6 +8,7 @@ import math
 import pathlib
 import random
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
 _PATH = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "benchstats.py"
@@ -100,3 +102,24 @@ def test_every_benchmark_prints_the_cpu_profile():
     header = bench.cpu_header().splitlines()
     assert header[0].startswith("# cpu profile (")
     assert any(line.startswith("# cpu decision ") for line in header)
+
+
+def test_the_side_by_side_profile_runs():
+    """``scripts/profile_steps.py``: the profile header, one row per op, the rows for what no
+    ATen op accounts for, and fxbackend's per-step report after the warm-up calls."""
+    import subprocess
+    import sys
+    script = _PATH.parent / "profile_steps.py"
+    out = subprocess.run([sys.executable, str(script), "--family", "flux", "--size", "tiny",
+                          "--backends", "eager,fxbackend", "--calls", "2", "--warmup", "1",
+                          "--top", "3", "--steps", "2"],
+                         capture_output=True, text=True, timeout=600, check=True).stdout
+    lines = out.splitlines()
+    assert lines[0].startswith("# cpu profile (") and "flux/tiny float32" in out
+    table = lines[lines.index(next(ln for ln in lines if ln.endswith("op (ms per call)"))):]
+    assert table[0].split()[:3] == ["eager", "fxbackend", "last-first"]
+    assert all(ln.split()[3].startswith("aten::") for ln in table[1:4])
+    for label in ("(not in an ATen op)", "(wall, profiled)"):
+        row = next(ln for ln in table if ln.endswith(label)).split()
+        assert float(row[2]) == pytest.approx(float(row[1]) - float(row[0]), abs=2e-3)
+    assert "2 profiled call(s)" in out and "top 2 steps:" in out
