@@ -81,9 +81,11 @@ def concretize(graph: Graph, args: Sequence[Any]) -> tuple[dict, dict]:
 
 _META = torch.device("meta")
 #: ops whose result layout the plan checks with their fake-tensor implementation instead of
-#: the meta device: the meta device's convolution returns NCHW for a channels-last input, while
-#: the CPU's returns channels-last (as the fake implementation, which Dynamo recorded, says)
-FAKE_LAYOUT_OPS = frozenset({"aten.convolution.default"})
+#: the meta device, whose answer is not the real device's: its convolution returns NCHW for a
+#: channels-last input, while the CPU's returns channels-last; its ``native_layer_norm``
+#: returns float32 mean and rstd for a 16-bit input, while the CPU's returns them in the input's
+#: dtype (the fake implementations, which Dynamo and export recorded, say what the device does)
+FAKE_LAYOUT_OPS = frozenset({"aten.convolution.default", "aten.native_layer_norm.default"})
 
 
 def _map_tree(v: Any, f) -> Any:

@@ -766,3 +766,15 @@ def test_golden_static_structure():
     assert set(out) == {"out", "aux"} and isinstance(out["aux"], tuple)
     assert torch.equal(out["out"], plan.run([io["in.x"], io["in.cond"]])[0])
     assert json.loads(json.dumps(read_sections(path)[1]))["format_version"] == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_layer_norm_plan_loads_with_its_check(dtype, tmp_path):
+    """The CPU's native_layer_norm gives 16-bit mean and rstd, the meta device's float32: the
+    load check used the meta device and refused every saved 16-bit plan with a LayerNorm."""
+    m = torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.GELU()).to(dtype).eval()
+    x = torch.randn(2, 8, 16).to(dtype)
+    path = tmp_path / "ln.fxb"
+    fxbackend.export(m, (x,)).save(str(path))
+    with torch.no_grad():
+        torch.testing.assert_close(fxbackend.load(str(path))(x), m(x))
