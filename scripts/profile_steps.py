@@ -126,10 +126,8 @@ def main() -> None:
     args = ap.parse_args()
     import fxbackend  # noqa: F401  (registers the backend)
     from fxbackend import models
-    try:
-        dtype = getattr(torch, args.dtype)
-        assert isinstance(dtype, torch.dtype)
-    except (AttributeError, AssertionError):
+    dtype = getattr(torch, args.dtype, None)
+    if not isinstance(dtype, torch.dtype):
         ap.error(f"--dtype: not a torch dtype: {args.dtype!r}")
     try:
         options = json.loads(args.fxbackend_options)
